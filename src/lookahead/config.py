@@ -1,0 +1,36 @@
+"""Settings of the drafter: how large a draft tree may be and how it is matched."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LookaheadConfig:
+    """Upper bounds and matching rules for the draft tree of each decoding step.
+
+    On CPUs a wide forward pass costs several narrow ones, so the defaults are modest:
+    16 nodes at most, 8 deep. On a GPU a width of 64 costs about one plain step.
+    """
+
+    decoding_length: int = 16
+    """Most draft nodes verified in one forward pass (the root not counted)."""
+    branch_length: int = 8
+    """Deepest draft path: most tokens a step can accept before its bonus token."""
+    match_length: int = 4
+    """Longest context tail looked up in the trie; shorter tails are tried when it misses."""
+    min_score: float = 0.0
+    """Draft nodes whose estimated acceptance probability is below this are not sent."""
+
+    def __post_init__(self) -> None:
+        for name in ("decoding_length", "branch_length", "match_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"LookaheadConfig.{name} must be a positive integer, got {value!r}")
+        if not 0.0 <= self.min_score < 1.0:
+            raise ValueError(f"LookaheadConfig.min_score must be in [0, 1), got {self.min_score!r}")
+
+    @property
+    def ngram_length(self) -> int:
+        """Longest n-gram the trie stores: a matched tail plus a full branch."""
+        return self.match_length + self.branch_length

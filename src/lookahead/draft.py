@@ -1,0 +1,84 @@
+"""DraftTree: the candidate continuations verified in one forward pass.
+
+Index 0 of the packed block is the root (the last accepted token, not yet in the KV cache);
+draft node i sits at block index i + 1. Parents always come before their children.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int] = field(default_factory=list)
+    """Token of each draft node."""
+    parents: list[int] = field(default_factory=list)
+    """Block index of each node's parent: 0 is the root, i + 1 is draft node i."""
+    scores: list[float] = field(default_factory=list)
+    """Estimated probability that the node is accepted (product along its path)."""
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise ValueError("tokens and parents must have the same length")
+        if not self.scores:
+            self.scores = [1.0] * len(self.tokens)
+        for i, parent in enumerate(self.parents):
+            if not 0 <= parent <= i:
+                raise ValueError(f"node {i} has parent {parent}: parents must come first")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def depths(self) -> list[int]:
+        """Depth of each draft node; the root's children are at depth 1."""
+        depths = [0]
+        for parent in self.parents:
+            depths.append(depths[parent] + 1)
+        return depths[1:]
+
+    @property
+    def is_chain(self) -> bool:
+        """True when the draft is a single path, which the ordinary causal mask already fits."""
+        return all(parent == i for i, parent in enumerate(self.parents))
+
+    def truncated(self, size: int) -> DraftTree:
+        """The first `size` nodes: still a tree, since parents come first."""
+        return DraftTree(self.tokens[:size], self.parents[:size], self.scores[:size])
+
+    def children(self) -> list[dict[int, int]]:
+        """Per block index, the map token -> block index of its child."""
+        kids: list[dict[int, int]] = [{} for _ in range(len(self.tokens) + 1)]
+        for i, (token, parent) in enumerate(zip(self.tokens, self.parents, strict=True)):
+            kids[parent].setdefault(token, i + 1)
+        return kids
+
+    def position_ids(self, past_length: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Positions of the block: the root at `past_length`, each node one below its parent."""
+        depths = np.fromiter([0, *self.depths], dtype=np.int64, count=len(self.tokens) + 1)
+        return torch.from_numpy(depths + past_length).to(device).unsqueeze(0)
+
+    def ancestor_matrix(self) -> np.ndarray:
+        """Boolean (n+1, n+1): row i marks the block entries that block entry i may attend to."""
+        size = len(self.tokens) + 1
+        allowed = np.zeros((size, size), dtype=bool)
+        allowed[0, 0] = True
+        for i, parent in enumerate(self.parents, start=1):
+            allowed[i] = allowed[parent]
+            allowed[i, i] = True
+        return allowed
+
+    def attention_mask(self, past_length: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Additive 4-D mask (1, 1, n+1, past+n+1): 0 where attention is allowed, dtype's min elsewhere.
+
+        Float, not boolean: boolean 4-D masks are mishandled by eager attention in transformers 5.
+        """
+        size = len(self.tokens) + 1
+        mask = torch.zeros((size, past_length + size), dtype=dtype)
+        block = torch.from_numpy(~self.ancestor_matrix())
+        mask[:, past_length:].masked_fill_(block, torch.finfo(dtype).min)
+        return mask.to(device)[None, None]

@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The bundled default model and tokenizer, loaded once for the whole run."""
+    from lookahead import load_model
+
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model):
+    return default_model[1]
+
+
+def hf_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
+    """The model's own greedy `generate()`: the reference every output must equal."""
+    inputs = torch.tensor([ids])
+    out = model.generate(
+        inputs,
+        attention_mask=torch.ones_like(inputs),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=model.generation_config.pad_token_id or 0,
+    )
+    return out[0, len(ids) :].tolist()

@@ -1,0 +1,73 @@
+"""Exactness on the bundled default model, real prompts from every benchmark set, warm trie."""
+
+import pytest
+from conftest import hf_greedy
+
+from lookahead import LookaheadEngine
+from lookahead.bench.datasets import load_prompts
+
+pytestmark = pytest.mark.slow
+
+SETS = ["humaneval", "gsm8k", "mtbench", "code-edit"]
+
+
+@pytest.fixture(scope="module")
+def engine(default_model):
+    return LookaheadEngine(*default_model)
+
+
+def test_forty_real_prompts_equal_generate(engine, default_model):
+    model, _ = default_model
+    assert engine.tree_mode
+    prompts = load_prompts(SETS, 10)
+    prompts = [p for group in zip(*(prompts[i * 10 : (i + 1) * 10] for i in range(4)), strict=False) for p in group]
+    assert len(prompts) == 40
+    mismatches = []
+    drafted = accepted = 0
+    for prompt in prompts:
+        ids = engine.chat_ids([{"role": "user", "content": prompt.text}])
+        out = engine.generate(ids, max_new_tokens=64)
+        if out.token_ids != hf_greedy(model, ids, 64):
+            mismatches.append(prompt.key)
+        drafted += out.stats.draft_tokens
+        accepted += out.stats.new_tokens - out.stats.steps - 1
+    assert mismatches == []
+    assert drafted > 0 and accepted > 0
+
+
+def test_plain_path_equals_generate_and_leaves_the_trie_alone(engine, default_model):
+    model, _ = default_model
+    prompt = load_prompts(["code-edit"], 1)[0]
+    ids = engine.chat_ids([{"role": "user", "content": prompt.text}])
+    before = engine.trie.stats()
+    out = engine.generate(ids, max_new_tokens=32, use_lookahead=False)
+    assert out.token_ids == hf_greedy(model, ids, 32)
+    assert out.stats.draft_tokens == 0 and out.stats.steps == out.stats.new_tokens - 1
+    assert engine.trie.stats() == before
+
+
+def test_stream_equals_generate(engine):
+    prompt = load_prompts(["mtbench"], 1)[0]
+    ids = engine.chat_ids([{"role": "user", "content": prompt.text}])
+    out = engine.generate(ids, max_new_tokens=48)
+    assert "".join(engine.stream(ids, max_new_tokens=48)) == out.text
+    assert out.stats.new_tokens == len(out.token_ids) == 48
+    assert out.finish_reason == "length"
+
+
+def test_stops_at_end_of_sequence(engine, default_model):
+    model, _tokenizer = default_model
+    ids = engine.chat_ids([{"role": "user", "content": "Say just the word yes."}])
+    out = engine.generate(ids, max_new_tokens=100)
+    assert out.finish_reason == "stop"
+    assert out.token_ids[-1] in engine.eos_ids
+    assert out.token_ids == hf_greedy(model, ids, 100)
+
+
+def test_bad_arguments(engine):
+    with pytest.raises(ValueError):
+        engine.generate("hi", max_new_tokens=0)
+    with pytest.raises(ValueError):
+        engine.generate([], max_new_tokens=4)
+    with pytest.raises(ValueError, match="context"):
+        engine.generate([1] * 10, max_new_tokens=10**6)

@@ -1,0 +1,112 @@
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lookahead.trie import TokenTrie
+
+
+def _paths(tree):
+    """Token path from the root's child down to each node."""
+    paths = []
+    for token, parent in zip(tree.tokens, tree.parents, strict=True):
+        paths.append((*(paths[parent - 1] if parent else ()), token))
+    return paths
+
+
+def test_drafts_the_continuation_seen_before():
+    trie = TokenTrie(ngram_length=6)
+    trie.insert([1, 2, 3, 4, 5, 6, 7])
+    tree = trie.retrieve([9, 9, 2, 3], budget=8, max_depth=3)
+    assert tree.tokens == [4, 5, 6] and tree.parents == [0, 1, 2]
+
+
+def test_best_first_prefers_the_frequent_branch_and_shares_prefixes():
+    trie = TokenTrie(ngram_length=4)
+    for _ in range(3):
+        trie.insert([1, 2, 3, 4])
+    trie.insert([1, 2, 5, 6])
+    tree = trie.retrieve([1, 2], budget=2, max_depth=4)
+    assert tree.tokens == [3, 4]
+    tree = trie.retrieve([1, 2], budget=4, max_depth=4)
+    assert sorted(_paths(tree)) == [(3,), (3, 4), (5,), (5, 6)]
+    assert tree.scores[0] == 0.75
+
+
+def test_prompt_ngrams_are_private_and_released():
+    trie = TokenTrie(ngram_length=4)
+    trie.insert([1, 2, 3, 4], request="a")
+    assert trie.retrieve([2], 4, 4, request="a").tokens == [3, 4]
+    assert len(trie.retrieve([2], 4, 4, request="b")) == 0
+    assert len(trie.retrieve([2], 4, 4)) == 0
+    trie.finish("a")
+    assert len(trie.retrieve([2], 4, 4, request="a")) == 0
+    assert trie.stats()["live_requests"] == 0
+
+
+def test_outputs_are_shared_and_learned_incrementally():
+    trie = TokenTrie(ngram_length=4)
+    trie.observe("a", [7, 8])
+    trie.observe("a", [9])
+    trie.finish("a")
+    assert trie.retrieve([7], 4, 4, request="b").tokens == [8, 9]
+
+
+def test_end_of_turn_is_a_boundary_not_an_end():
+    trie = TokenTrie(ngram_length=4, boundary_ids=[0])
+    trie.insert([5, 6, 0, 7, 8, 9], request="r")
+    assert trie.retrieve([6], 4, 4, request="r").tokens == [0]
+    assert trie.retrieve([7], 4, 4, request="r").tokens == [8, 9]
+    assert len(trie.retrieve([0], 4, 4, request="r")) == 0
+
+
+def test_longest_matching_tail_wins():
+    trie = TokenTrie(ngram_length=5)
+    trie.insert([1, 2, 3, 4])
+    trie.insert([9, 3, 5])
+    assert trie.retrieve([1, 2, 3], 1, 1, match_length=3).tokens == [4]
+    assert trie.retrieve([9, 3], 1, 1, match_length=3).tokens == [5]
+
+
+def test_single_path_mode():
+    trie = TokenTrie(ngram_length=4)
+    trie.insert([1, 2, 3])
+    trie.insert([1, 4, 5])
+    trie.insert([1, 4, 5])
+    tree = trie.retrieve([1], budget=8, max_depth=4, branching=False)
+    assert tree.is_chain and tree.tokens == [4, 5]
+
+
+sequences = st.lists(st.lists(st.integers(0, 6), min_size=1, max_size=30), min_size=1, max_size=5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sequences,
+    st.lists(st.integers(0, 6), min_size=1, max_size=6),
+    st.integers(1, 20),
+    st.integers(1, 6),
+    st.booleans(),
+)
+def test_retrieved_drafts_are_paths_of_the_trie(seqs, context, budget, depth, branching):
+    ngram_length = 8
+    trie = TokenTrie(ngram_length=ngram_length)
+    for seq in seqs:
+        trie.insert(seq)
+    tree = trie.retrieve(context, budget, depth, match_length=3, branching=branching)
+    assert len(tree) <= budget
+    assert all(d <= depth for d in tree.depths)
+    assert all(p <= i for i, p in enumerate(tree.parents))
+    assert len(set(zip(tree.parents, tree.tokens, strict=True))) == len(tree)  # shared prefixes stored once
+    assert all(0 < s <= 1 for s in tree.scores)
+    assert branching or tree.is_chain
+    if tree.tokens:
+        text = [tuple(seq) for seq in seqs]
+        # some matched tail of the context, followed by each path, occurs in an inserted sequence
+        for path in _paths(tree):
+            assert any(_occurs((*context[-m:], *path), text) for m in range(1, 4) if m + len(path) <= ngram_length), (
+                path
+            )
+
+
+def _occurs(needle, haystacks):
+    n = len(needle)
+    return any(hay[i : i + n] == needle for hay in haystacks for i in range(len(hay) - n + 1))
