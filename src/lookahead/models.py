@@ -120,8 +120,8 @@ def _load_pretrained(
     if isinstance(source, Path) and not (source / "config.json").exists():
         raise ValueError(f"{shown}: directory has no config.json, so it is not a transformers model")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(source)
     except OSError as err:
         if isinstance(source, Path):
             raise ValueError(f"{shown}: cannot load the model: {err}") from err
@@ -180,8 +180,8 @@ def _converted(key: str, gguf_file) -> Path:
 def _convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantize a GGUF model with transformers and save it as safetensors."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except (ValueError, KeyError) as err:
         if "not supported" in str(err) or "architecture" in str(err):
             raise ValueError(f"{gguf}: unsupported model architecture: {err}") from err

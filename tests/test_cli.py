@@ -1,0 +1,39 @@
+"""The `lookahead` command as a user runs it: a real process, real output, real exit codes."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "lookahead.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["generate", "--model", "no-such-model", "hi"],
+        ["generate", "--model", "./nowhere/model.gguf", "hi"],
+        ["generate", "--max-new-tokens", "0", "hi"],
+        ["generate", "--dtype", "float8", "hi"],
+        ["frobnicate"],
+    ],
+)
+def test_user_mistakes_are_one_line_and_exit_2(args):
+    result = run(*args)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(("lookahead: error:", "lookahead generate: error:"))
+
+
+@pytest.mark.slow
+def test_generate_compare_prints_the_speedup_line():
+    result = run("generate", "--compare", "--max-new-tokens", "48")
+    assert result.returncode == 0, result.stderr
+    last = result.stdout.strip().splitlines()[-1]
+    assert "speedup" in last and "tokens per forward pass" in last and "identical to plain: yes" in last
