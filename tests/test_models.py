@@ -64,7 +64,7 @@ def test_directory_of_unsupported_architecture(tmp_path):
 
 
 def test_directory_without_config(tmp_path):
-    with pytest.raises(ValueError, match="no config.json"):
+    with pytest.raises(ValueError, match=r"no config\.json"):
         load_model(tmp_path)
 
 

@@ -52,6 +52,19 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--compare", action="store_true", help="also run plain decoding and print the speedup")
     generate.add_argument("--decoding-length", type=_positive, default=None, help="most draft nodes per step")
     generate.add_argument("--branch-length", type=_positive, default=None, help="deepest draft path")
+
+    bench = commands.add_parser("bench", help="side-by-side benchmark on the data sets")
+    _add_model_options(bench)
+    bench.set_defaults(threads=2)
+    bench.add_argument("--datasets", default="humaneval,gsm8k,mtbench,code-edit")
+    bench.add_argument("--methods", default="plain,hf-greedy,hf-prompt-lookup,lookahead")
+    bench.add_argument(
+        "--config", action="append", default=[], metavar="NAME:key=value,...", help="extra lookahead variant"
+    )
+    bench.add_argument("--limit", type=int, default=30, help="prompts per data set")
+    bench.add_argument("--max-new-tokens", type=_positive, default=128)
+    bench.add_argument("--out", default="bench-out", help="directory for results.json, results.md and plots")
+    bench.add_argument("--json", default=None, help="also write the results JSON here")
     return parser
 
 
@@ -104,9 +117,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0 if same else 1
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench.cli import run_bench
+
+    return run_bench(args, sys.argv[1:])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"generate": cmd_generate}
+    handlers = {"generate": cmd_generate, "bench": cmd_bench}
     try:
         return handlers[args.command](args)
     except (UserError, ValueError, FileNotFoundError) as err:

@@ -22,6 +22,7 @@ from .capability import probe_draft_mode
 from .config import LookaheadConfig
 from .draft import DraftTree
 from .kvcache import keep_accepted, new_cache
+from .policy import DraftSession
 from .trie import TokenTrie
 from .verify import accept_greedy
 
@@ -194,26 +195,21 @@ class LookaheadEngine:
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                 f"model's context of {self.max_positions} tokens"
             )
-        drafting = use_lookahead and self.draft_mode != "off"
-        request = object()
-        if drafting:
-            self.trie.insert(prompt, request=request)
+        session = DraftSession(self.trie, self.config, prompt) if use_lookahead and self.draft_mode != "off" else None
         try:
-            yield from self._steps(prompt, max_new_tokens, drafting, request, stats, finish)
+            yield from self._steps(prompt, max_new_tokens, session, stats, finish)
         finally:
-            if drafting:
-                self.trie.finish(request)
+            if session is not None:
+                session.close()
 
     def _steps(
         self,
         prompt: list[int],
         max_new_tokens: int,
-        drafting: bool,
-        request: object,
+        session: DraftSession | None,
         stats: GenerationStats,
         finish: list[str],
     ) -> Iterator[list[int]]:
-        config = self.config
         with torch.inference_mode():
             cache = new_cache(self.model)
             clock = time.perf_counter()
@@ -224,25 +220,16 @@ class LookaheadEngine:
             while True:
                 emitted, done = self._cut(emitted, max_new_tokens - stats.new_tokens, finish)
                 stats.new_tokens += len(emitted)
-                if drafting:
-                    self.trie.observe(request, emitted)
+                if session is not None:
+                    session.learn(emitted)
                 yield emitted
                 if done:
                     return
                 past = len(sequence) - 1
                 clock = time.perf_counter()
                 tree = DraftTree()
-                if drafting:
-                    depth = min(config.branch_length, max_new_tokens - stats.new_tokens - 1)
-                    tree = self.trie.retrieve(
-                        sequence,
-                        config.decoding_length,
-                        depth,
-                        request=request,
-                        match_length=config.match_length,
-                        branching=self._may_branch(past),
-                        min_score=config.min_score,
-                    )
+                if session is not None:
+                    tree = session.propose(sequence, max_new_tokens - stats.new_tokens, self._may_branch(past))
                 tick = time.perf_counter()
                 logits = self.forward(cache, [sequence[-1], *tree.tokens], past, tree)
                 choices = logits.argmax(-1).tolist()

@@ -1,0 +1,101 @@
+"""`lookahead bench`: check every argument first, then load the model and run with a progress bar."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from .datasets import DATASETS, load_prompts
+from .report import environment, markdown_table, plot_accepted, plot_speedup
+from .runner import BUILTIN_METHODS, Bench, parse_variant, summarize
+
+
+def _writable(path: Path) -> bool:
+    """Try it: create the directory and a scratch file there (permission bits can say yes and be wrong)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path.parent):
+            return True
+    except OSError:
+        return False
+
+
+def validate(args: argparse.Namespace) -> tuple[list[str], list[str], dict]:
+    """Every user mistake reported before any model is loaded."""
+    datasets = [d for d in args.datasets.split(",") if d]
+    unknown = [d for d in datasets if d not in DATASETS]
+    if unknown or not datasets:
+        raise ValueError(f"unknown data set {','.join(unknown) or '(none)'}: choose from {', '.join(DATASETS)}")
+    variants = dict(parse_variant(spec) for spec in args.config)
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in methods if m not in BUILTIN_METHODS and m not in variants]
+    if unknown:
+        raise ValueError(f"unknown method {','.join(unknown)}: choose from {', '.join(BUILTIN_METHODS)}")
+    methods = list(dict.fromkeys(["plain", *methods, *variants]))
+    if args.limit < 1:
+        raise ValueError(f"--limit must be at least 1, got {args.limit}")
+    for target in [Path(args.out) / "results.json", *([Path(args.json)] if args.json else [])]:
+        if not _writable(target):
+            raise ValueError(f"cannot write {target}: its directory is not writable")
+    return datasets, methods, variants
+
+
+def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
+    datasets, methods, variants = validate(args)
+    prompts = load_prompts(datasets, args.limit)
+
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from ..models import load_model
+
+    torch.set_num_threads(args.threads)
+    console = Console(stderr=True)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    bench = Bench(model, tokenizer, methods, variants, args.max_new_tokens)
+    bench.warm_up(prompts[0])
+    samples = []
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()]
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("benchmark", total=len(prompts))
+        for index, prompt in enumerate(prompts):
+            samples += bench.prompt(index, prompt)
+            live = {r["method"]: r["speedup"] for r in summarize(samples, methods) if r["dataset"] == "all"}
+            shown = "  ".join(f"{m} {v:.2f}x" for m, v in live.items() if m != "plain" and v)
+            progress.update(task, advance=1, description=f"{prompt.dataset:>10} | {shown}")
+
+    rows = summarize(samples, methods)
+    model_name = args.model or "smollm2-135m"
+    result = {
+        "model": model_name,
+        "command": "lookahead " + shlex.join(argv),
+        "settings": {"max_new_tokens": args.max_new_tokens, "limit": args.limit, "dtype": args.dtype,
+                     "datasets": datasets, "methods": methods,
+                     "configs": {name: cfg.__dict__ for name, cfg in variants.items()},
+                     "lookahead": bench.engines["lookahead"].config.__dict__,
+                     "draft_mode": bench.engines["lookahead"].draft_mode},
+        "environment": environment(),
+        "results": rows,
+    }  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(result, indent=1)
+    (out / "results.json").write_text(text)
+    if args.json:
+        Path(args.json).write_text(text)
+    table = markdown_table(rows)
+    (out / "results.md").write_text(table + "\n")
+    title = f"{model_name}, {args.dtype}, {args.max_new_tokens} new tokens, {args.limit} prompts per set"
+    plot_speedup(rows, out / "speedup.png", title)
+    histograms: dict[str, Counter[int]] = {}
+    for sample in samples:
+        if sample.method not in ("plain",) and sample.steps is not None:
+            histograms.setdefault(sample.method, Counter()).update(sample.accepted)
+    plot_accepted(histograms, out / "accepted.png", title)
+    print(table)
+    return 0

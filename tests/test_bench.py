@@ -1,0 +1,61 @@
+"""The benchmark harness end to end on 2 prompts per set, and its argument checks."""
+
+import json
+import time
+
+import pytest
+
+from lookahead.bench.datasets import DATASETS, load_prompts
+from lookahead.cli import main
+
+CONTRACT_KEYS = {"dataset", "method", "prompts", "new_tokens", "seconds", "tokens_per_s", "edl", "speedup",
+                 "exact_match"}  # fmt: skip
+
+
+def test_every_data_set_loads_from_its_package():
+    for name in DATASETS:
+        prompts = load_prompts([name], 3)
+        assert len(prompts) == 3 and all(p.text.strip() and p.dataset == name for p in prompts)
+    assert "canonical" not in load_prompts(["code-edit"], 1)[0].text
+    assert "def has_close_elements" in load_prompts(["code-edit"], 1)[0].text
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--datasets", "humaneval,nope"],
+        ["--methods", "plain,warp-drive"],
+        ["--limit", "0"],
+        ["--json", "/proc/no/such/dir/out.json"],
+        ["--config", "missing-settings"],
+        ["--config", "v:colour=3"],
+    ],
+)
+def test_bad_arguments_fail_fast_before_loading_a_model(args, capsys):
+    clock = time.perf_counter()
+    assert main(["bench", *args]) == 2
+    assert time.perf_counter() - clock < 5, "the model must not be loaded for a user mistake"
+    assert capsys.readouterr().err.startswith("lookahead: error:")
+
+
+@pytest.mark.slow
+def test_harness_on_two_prompts_of_each_set(tmp_path):
+    out = tmp_path / "run"
+    args = ["bench", "--limit", "2", "--max-new-tokens", "16", "--out", str(out), "--json", str(tmp_path / "r.json")]
+    assert main([*args, "--config", "wide:decoding_length=32,branch_length=8"]) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result == json.loads((out / "results.json").read_text())
+    rows = result["results"]
+    assert all(row.keys() >= CONTRACT_KEYS for row in rows)
+    by = {(r["dataset"], r["method"]): r for r in rows}
+    for dataset in [*DATASETS, "all"]:
+        for method in ["plain", "hf-greedy", "hf-prompt-lookup", "lookahead", "wide"]:
+            assert (dataset, method) in by
+        assert by[(dataset, "plain")]["speedup"] == 1.0
+        assert by[(dataset, "lookahead")]["exact_match"] == 1.0
+        assert by[(dataset, "wide")]["exact_match"] == 1.0
+        assert by[(dataset, "hf-greedy")]["exact_match"] == 1.0
+    assert by[("all", "lookahead")]["prompts"] == 8 and by[("all", "lookahead")]["new_tokens"] == 8 * 16
+    for plot in ("speedup.png", "accepted.png"):
+        assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| code-edit | lookahead |" in (out / "results.md").read_text()
