@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint models bench bench-full
+.PHONY: setup run test lint models bench bench-full replay
 
 setup: $(STAMP)
 
@@ -37,8 +37,16 @@ models: setup
 BENCH_PAGE = $(BIN)/python -m lookahead.bench.report BENCHMARKS.md benchmarks/NOTES.md benchmarks/*/results.json
 
 bench: setup
-	$(BIN)/lookahead bench --limit 10 --out benchmarks/smollm2-135m
+	$(BIN)/lookahead bench --limit 10 --datasets humaneval,gsm8k,mtbench,code-edit,creative \
+		--methods plain,hf-prompt-lookup,lookahead --config fixed-16x8:decoding_length=16,branch_length=8,policy=fixed \
+		--out benchmarks/smollm2-135m
 	$(BENCH_PAGE)
+
+# Drafter tuning without the model: record greedy outputs once, then replay settings in seconds.
+replay: setup
+	test -f benchmarks/replay/smollm2-135m.jsonl || $(BIN)/lookahead replay --record benchmarks/replay/smollm2-135m.jsonl \
+		--datasets humaneval,gsm8k,mtbench,code-edit,creative --limit 10
+	$(BIN)/lookahead replay benchmarks/replay/smollm2-135m.jsonl --sweep --out benchmarks/replay
 
 bench-full: models
 	$(BIN)/lookahead bench --model qwen2.5-coder-0.5b --limit 10 --datasets code-edit,humaneval \

@@ -29,6 +29,8 @@ def test_every_data_set_loads_from_its_package():
         ["--json", "/proc/no/such/dir/out.json"],
         ["--config", "missing-settings"],
         ["--config", "v:colour=3"],
+        ["--config", "v:decoding_length=many"],
+        ["--config", "v:policy=psychic"],
     ],
 )
 def test_bad_arguments_fail_fast_before_loading_a_model(args, capsys):
@@ -48,7 +50,7 @@ def test_harness_on_two_prompts_of_each_set(tmp_path):
     rows = result["results"]
     assert all(row.keys() >= CONTRACT_KEYS for row in rows)
     by = {(r["dataset"], r["method"]): r for r in rows}
-    for dataset in [*DATASETS, "all"]:
+    for dataset in ["humaneval", "gsm8k", "mtbench", "code-edit", "all"]:
         for method in ["plain", "hf-greedy", "hf-prompt-lookup", "lookahead", "wide"]:
             assert (dataset, method) in by
         assert by[(dataset, "plain")]["speedup"] == 1.0
@@ -59,3 +61,20 @@ def test_harness_on_two_prompts_of_each_set(tmp_path):
     for plot in ("speedup.png", "accepted.png"):
         assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| code-edit | lookahead |" in (out / "results.md").read_text()
+
+
+def test_summary_keeps_data_sets_with_the_same_prompt_keys_apart():
+    from lookahead.bench.runner import Sample, summarize
+
+    samples = [
+        Sample("humaneval", "plain", "HumanEval/0", [1, 2], 2.0, 2, 0),
+        Sample("humaneval", "lookahead", "HumanEval/0", [1, 2], 1.0, 1, 3),
+        Sample("code-edit", "plain", "HumanEval/0", [5, 6, 7], 3.0, 3, 0),
+        Sample("code-edit", "lookahead", "HumanEval/0", [5, 6, 8], 1.0, 1, 3),
+    ]
+    rows = {(r["dataset"], r["method"]): r for r in summarize(samples, ["plain", "lookahead"])}
+    assert rows[("humaneval", "lookahead")]["speedup"] == 2.0
+    assert rows[("humaneval", "lookahead")]["exact_match"] == 1.0
+    assert rows[("code-edit", "lookahead")]["speedup"] == 3.0
+    assert rows[("code-edit", "lookahead")]["exact_match"] == 0.0
+    assert rows[("all", "lookahead")]["speedup"] == 2.5 and rows[("all", "lookahead")]["exact_match"] == 0.5

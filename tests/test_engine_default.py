@@ -69,5 +69,9 @@ def test_bad_arguments(engine):
         engine.generate("hi", max_new_tokens=0)
     with pytest.raises(ValueError):
         engine.generate([], max_new_tokens=4)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.generate([1, 2, engine.model.config.vocab_size], max_new_tokens=4)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.generate([-1, 5], max_new_tokens=4)
     with pytest.raises(ValueError, match="context"):
         engine.generate([1] * 10, max_new_tokens=10**6)

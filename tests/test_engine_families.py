@@ -22,7 +22,7 @@ def _prompts(count: int) -> list[list[int]]:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_exact_greedy_on_family(family, tokenizer):
     model = tiny_model(family)
-    engine = LookaheadEngine(model, tokenizer, LookaheadConfig(decoding_length=12, branch_length=6))
+    engine = LookaheadEngine(model, tokenizer, LookaheadConfig(decoding_length=12, branch_length=6, policy="fixed"))
     assert engine.draft_mode == EXPECTED_MODE[family]
     accepted = 0
     for ids in _prompts(4):
@@ -37,6 +37,6 @@ def test_exact_greedy_on_family(family, tokenizer):
 def test_sliding_window_model_past_its_window(tokenizer):
     """Gemma 3 with a 16-token window: trees inside the window, single paths beyond it."""
     model = tiny_model("gemma3_text", sliding_window=16)
-    engine = LookaheadEngine(model, tokenizer, LookaheadConfig(decoding_length=8, branch_length=4))
+    engine = LookaheadEngine(model, tokenizer, LookaheadConfig(decoding_length=8, branch_length=4, policy="fixed"))
     for ids in _prompts(2):
         assert engine.generate(ids, max_new_tokens=30).token_ids == hf_greedy(model, ids, 30)

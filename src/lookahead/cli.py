@@ -65,6 +65,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-new-tokens", type=_positive, default=128)
     bench.add_argument("--out", default="bench-out", help="directory for results.json, results.md and plots")
     bench.add_argument("--json", default=None, help="also write the results JSON here")
+
+    replay = commands.add_parser("replay", help="record greedy outputs once, then evaluate drafters offline")
+    _add_model_options(replay)
+    replay.add_argument("recording", help="JSON-lines file of recorded greedy outputs")
+    replay.add_argument("--record", action="store_true", help="run plain greedy now and write the recording")
+    replay.add_argument("--datasets", default="humaneval,gsm8k,mtbench,code-edit")
+    replay.add_argument("--limit", type=int, default=30, help="prompts per data set (recording)")
+    replay.add_argument("--max-new-tokens", type=_positive, default=128)
+    replay.add_argument(
+        "--config", action="append", default=[], metavar="NAME:key=value,...", help="drafter setting to evaluate"
+    )
+    replay.add_argument("--sweep", action="store_true", help="also every fixed decoding_length x branch_length")
+    replay.add_argument("--out", default=None, help="directory for replay.json, replay.md (and sweep.png)")
     return parser
 
 
@@ -123,9 +136,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args, sys.argv[1:])
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    from .bench.cli import run_replay
+
+    return run_replay(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"generate": cmd_generate, "bench": cmd_bench}
+    handlers = {"generate": cmd_generate, "bench": cmd_bench, "replay": cmd_replay}
     try:
         return handlers[args.command](args)
     except (UserError, ValueError, FileNotFoundError) as err:

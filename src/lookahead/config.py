@@ -21,12 +21,16 @@ class LookaheadConfig:
     """Longest context tail looked up in the trie; shorter tails are tried when it misses."""
     min_score: float = 0.0
     """Draft nodes whose estimated acceptance probability is below this are not sent."""
+    policy: str = "adaptive"
+    """'adaptive': send the part of the tree worth its measured cost; 'fixed': send all of it."""
 
     def __post_init__(self) -> None:
         for name in ("decoding_length", "branch_length", "match_length"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"LookaheadConfig.{name} must be a positive integer, got {value!r}")
+        if self.policy not in ("adaptive", "fixed"):
+            raise ValueError(f"LookaheadConfig.policy must be 'adaptive' or 'fixed', got {self.policy!r}")
         if not 0.0 <= self.min_score < 1.0:
             raise ValueError(f"LookaheadConfig.min_score must be in [0, 1), got {self.min_score!r}")
 

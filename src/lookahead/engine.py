@@ -7,7 +7,11 @@ with empty drafts, which is plain greedy decoding (the baseline of every speedup
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import json
+import os
+import statistics
 import threading
 import time
 from collections import Counter
@@ -22,11 +26,13 @@ from .capability import probe_draft_mode
 from .config import LookaheadConfig
 from .draft import DraftTree
 from .kvcache import keep_accepted, new_cache
-from .policy import DraftSession
+from .models import cache_dir
+from .policy import CostModel, DraftPolicy, DraftSession
 from .trie import TokenTrie
 from .verify import accept_greedy
 
 DraftMode = Literal["tree", "chain", "off"]
+COST_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # small widths are irregular on CPUs
 
 
 @dataclass
@@ -102,6 +108,8 @@ class LookaheadEngine:
         self._tree_window = window if isinstance(window, int) and window > 0 else None
         self._forward_lock = threading.Lock()
         self.draft_mode: DraftMode = probe_draft_mode(self)
+        cost = self._cost_model() if self.config.policy == "adaptive" and self.draft_mode != "off" else None
+        self.policy = DraftPolicy(cost)
 
     @property
     def tree_mode(self) -> bool:
@@ -133,12 +141,58 @@ class LookaheadEngine:
             logits = self.model(**kwargs).logits[0]
         return logits[-1:] if last_only else logits
 
+    def measure_cost(
+        self, widths: Sequence[int] = COST_WIDTHS, context: int = 128, repeats: int = 3
+    ) -> dict[int, float]:
+        """Median milliseconds of a forward pass of each width after `context` cached tokens."""
+        vocab = self.model.config.vocab_size
+        prefix = [(100 + 7 * i) % vocab for i in range(context)]
+        costs = {}
+        with torch.inference_mode():
+            cache = new_cache(self.model)
+            self.forward(cache, prefix, 0, last_only=True)
+            for width in widths:
+                times = []
+                for _ in range(repeats):
+                    clock = time.perf_counter()
+                    self.forward(cache, prefix[:width], context)
+                    times.append((time.perf_counter() - clock) * 1000)
+                    cache.crop(-width)  # the context stays the same for every measurement
+                costs[width] = round(statistics.median(times), 3)
+        return costs
+
+    def _cost_model(self) -> CostModel:
+        """The cost curve of this model on this device, measured once and cached on disk."""
+        name = getattr(self.model.config, "_name_or_path", "")
+        key = f"{name}|{self.model.dtype}|{self.device}|threads={torch.get_num_threads()}|widths={COST_WIDTHS}"
+        path = cache_dir() / "costs.json"
+        try:
+            known = json.loads(path.read_text())
+        except (OSError, ValueError):
+            known = {}
+        if name and isinstance(known.get(key), dict):
+            with contextlib.suppress(ValueError):
+                return CostModel(known[key])
+        points = self.measure_cost()
+        if name:
+            known[key] = points
+            with contextlib.suppress(OSError):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                scratch = path.with_name(f".costs-{os.getpid()}.json")
+                scratch.write_text(json.dumps(known, indent=1))
+                scratch.replace(path)
+        return CostModel(points)
+
     # ---- public API ------------------------------------------------------------------------
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of `prompt` (text is tokenized as is; ids are checked against the vocabulary)."""
         ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise ValueError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if bad := [t for t in ids if not 0 <= t < vocab]:
+            raise ValueError(f"token ids outside the vocabulary of {vocab}: {bad[:5]}")
         return ids
 
     def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
@@ -195,7 +249,11 @@ class LookaheadEngine:
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                 f"model's context of {self.max_positions} tokens"
             )
-        session = DraftSession(self.trie, self.config, prompt) if use_lookahead and self.draft_mode != "off" else None
+        session = (
+            DraftSession(self.trie, self.config, prompt, self.policy)
+            if use_lookahead and self.draft_mode != "off"
+            else None
+        )
         try:
             yield from self._steps(prompt, max_new_tokens, session, stats, finish)
         finally:
@@ -235,6 +293,8 @@ class LookaheadEngine:
                 choices = logits.argmax(-1).tolist()
                 tock = time.perf_counter()
                 accepted, emitted = accept_greedy(tree, choices)
+                if session is not None:
+                    session.verified(tree, accepted, (tock - tick) * 1000)
                 tack = time.perf_counter()
                 keep_accepted(cache, len(tree) + 1, accepted)
                 done_at = time.perf_counter()

@@ -27,7 +27,7 @@ def new_cache(model: PreTrainedModel) -> Cache:
 def keep_accepted(cache: Cache, block_size: int, accepted: list[int]) -> None:
     """Drop the last `block_size` entries except the root and the `accepted` block indices."""
     kept = len(accepted) + 1
-    moved = [i for i in accepted] if accepted != list(range(1, kept)) else []
+    moved = accepted if accepted != list(range(1, kept)) else []
     for layer in cache.layers:
         if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
             continue

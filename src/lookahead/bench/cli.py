@@ -5,12 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import sys
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 
+from rich.console import Console
+
+from ..config import LookaheadConfig
 from .datasets import DATASETS, load_prompts
-from .report import environment, markdown_table, plot_accepted, plot_speedup
+from .replay import load_records, record, replay, summarize_replay, sweep_configs
+from .report import environment, markdown_table, plot_accepted, plot_speedup, plot_sweep
 from .runner import BUILTIN_METHODS, Bench, parse_variant, summarize
 
 
@@ -49,7 +55,6 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     prompts = load_prompts(datasets, args.limit)
 
     import torch
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from ..models import load_model
@@ -81,6 +86,11 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
                      "draft_mode": bench.engines["lookahead"].draft_mode},
         "environment": environment(),
         "results": rows,
+        "samples": [
+            {"dataset": s.dataset, "key": s.key, "method": s.method, "new_tokens": len(s.token_ids),
+             "seconds": round(s.seconds, 4), "steps": s.steps, "draft_tokens": s.draft_tokens}
+            for s in samples
+        ],
     }  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -99,3 +109,54 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     plot_accepted(histograms, out / "accepted.png", title)
     print(table)
     return 0
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    """Record (with --record), then replay every --config (and the default) over the recording."""
+    path = Path(args.recording)
+    variants = dict(parse_variant(spec) for spec in args.config)
+    if args.record:
+        datasets = [d for d in args.datasets.split(",") if d]
+        if args.limit < 1:
+            raise ValueError(f"--limit must be at least 1, got {args.limit}")
+        prompts = load_prompts(datasets, args.limit)
+        if not _writable(path):
+            raise ValueError(f"cannot write {path}: its directory is not writable")
+        _record(args, prompts, path)
+    elif not path.exists():
+        raise FileNotFoundError(f"{path}: no such recording (make one with --record)")
+    header, records = load_records(path)
+    configs = {"default": LookaheadConfig(), **variants}
+    if args.sweep:
+        configs.update(sweep_configs())
+    rows = []
+    for name, config in configs.items():
+        clock = time.perf_counter()
+        rows += summarize_replay(name, config, replay(records, header, config), header)
+        print(f"{name}: replayed in {time.perf_counter() - clock:.1f} s", file=sys.stderr)
+    columns = ["config", "dataset", "prompts", "edl", "draft_tokens_per_step", "predicted_speedup"]
+    table = markdown_table(rows, columns)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "replay.json").write_text(json.dumps({"recording": str(path), "results": rows}, indent=1))
+        (out / "replay.md").write_text(table + "\n")
+        if args.sweep:
+            plot_sweep(rows, out / "sweep.png", f"replay of {path.name}: predicted speedup by draft size")
+    print(table)
+    return 0
+
+
+def _record(args: argparse.Namespace, prompts, path: Path) -> None:
+    import torch
+    from rich.progress import Progress
+
+    from ..engine import LookaheadEngine
+    from ..models import load_model
+
+    torch.set_num_threads(args.threads or 2)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    engine = LookaheadEngine(model, tokenizer)
+    with Progress(console=Console(stderr=True)) as progress:
+        task = progress.add_task("recording plain greedy", total=len(prompts))
+        record(engine, prompts, args.max_new_tokens, path, progress=lambda: progress.advance(task))

@@ -69,11 +69,34 @@ def mtbench(limit: int) -> list[Prompt]:
     return [Prompt("mtbench", f"mtbench/{row['question_id']}", row["turns"][0]) for row in _jsonl(path, limit)]
 
 
+# Open-ended prompts with nothing to copy from: where a cold trie rarely helps, lookahead
+# must cost (almost) nothing. Written for this project.
+CREATIVE = [
+    "Write a short poem about a lighthouse keeper who collects lost umbrellas.",
+    "Tell a story, in one paragraph, about a robot that learns to bake bread.",
+    "Invent a new board game and describe its rules briefly.",
+    "Describe the taste of a fruit that does not exist.",
+    "Write a letter from a cat to the neighbour's dog.",
+    "Imagine a city built inside a giant tree. What is daily life like there?",
+    "Write the opening lines of a mystery novel set on a night train.",
+    "Describe a festival held on the moon by its first settlers.",
+    "Write a haiku sequence about the four seasons in a desert.",
+    "Tell a fable about a river that wanted to flow uphill.",
+    "Describe an ordinary Monday morning from the point of view of a houseplant.",
+    "Write a short speech a dragon gives at its retirement party.",
+]
+
+
+def creative(limit: int) -> list[Prompt]:
+    return [Prompt("creative", f"creative/{i}", text) for i, text in enumerate(CREATIVE[:limit])]
+
+
 DATASETS: dict[str, Callable[[int], list[Prompt]]] = {
     "humaneval": humaneval,
     "gsm8k": gsm8k,
     "mtbench": mtbench,
     "code-edit": code_edit,
+    "creative": creative,
 }
 
 

@@ -9,22 +9,16 @@ the forward-pass cost curve measured at record time turns them into a predicted 
 
 from __future__ import annotations
 
-import itertools
 import json
-import statistics
-import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from ..config import LookaheadConfig
 from ..draft import DraftTree
 from ..engine import LookaheadEngine
-from ..kvcache import new_cache
-from ..policy import DraftSession
+from ..policy import CostModel, DraftPolicy, DraftSession
 from ..trie import TokenTrie
 from ..verify import accept_greedy
 from .datasets import Prompt
@@ -66,6 +60,7 @@ def replay_one(
     while pos < len(output):
         tree = session.propose(sequence, max_new_tokens - pos, branching)
         accepted, emitted = accept_greedy(tree, oracle_choices(tree, output, pos))
+        session.verified(tree, accepted)
         emitted = emitted[: len(output) - pos]
         session.learn(emitted)
         sequence += emitted
@@ -83,10 +78,11 @@ def replay_one(
 def replay(records: Iterable[dict], header: dict, config: LookaheadConfig) -> dict[str, ReplayStats]:
     """All records in order with one trie (state carries across requests, as in a server)."""
     trie = TokenTrie(config.ngram_length, boundary_ids=header["eos_ids"])
+    policy = DraftPolicy(CostModel(header["cost_ms"]) if config.policy == "adaptive" else None)
     by_dataset: dict[str, ReplayStats] = {}
     for record in records:
         stats = by_dataset.setdefault(record["dataset"], ReplayStats())
-        session = DraftSession(trie, config, record["prompt_ids"])
+        session = DraftSession(trie, config, record["prompt_ids"], policy)
         try:
             replay_one(
                 session, record["prompt_ids"], record["output_ids"], header["max_new_tokens"],
@@ -97,42 +93,53 @@ def replay(records: Iterable[dict], header: dict, config: LookaheadConfig) -> di
     return by_dataset
 
 
-def predicted_seconds(stats: ReplayStats, cost_ms: dict[int, float]) -> float:
-    """Forward time of all steps from the measured cost curve (linear between measured widths)."""
-    points = sorted((int(w), ms) for w, ms in cost_ms.items())
+def predicted_seconds(stats: ReplayStats, cost_ms: dict) -> float:
+    """Forward time of all steps, priced by the cost curve measured at record time."""
+    cost = CostModel(cost_ms)
+    return sum(cost.predict(width) * count for width, count in stats.widths.items()) / 1000
 
-    def cost(width: int) -> float:
-        for (w0, c0), (w1, c1) in itertools.pairwise(points):
-            if width <= w1:
-                return c0 + (c1 - c0) * (width - w0) / (w1 - w0)
-        (w0, c0), (w1, c1) = points[-2], points[-1]
-        return c1 + (c1 - c0) * (width - w1) / (w1 - w0)
 
-    return sum(cost(width) * count for width, count in stats.widths.items()) / 1000
+def summarize_replay(
+    name: str, config: LookaheadConfig, by_dataset: dict[str, ReplayStats], header: dict
+) -> list[dict]:
+    """Rows per data set and for all: tokens per step, draft size, speedup predicted by the cost curve."""
+    total = ReplayStats()
+    for stats in by_dataset.values():
+        total.prompts += stats.prompts
+        total.new_tokens += stats.new_tokens
+        total.steps += stats.steps
+        total.draft_tokens += stats.draft_tokens
+        total.widths.update(stats.widths)
+    plain_ms = CostModel(header["cost_ms"]).predict(1)
+    rows = []
+    for dataset, stats in [*by_dataset.items(), ("all", total)]:
+        plain_s = (stats.new_tokens - stats.prompts) * plain_ms / 1000  # a plain step per token after the first
+        rows.append(
+            {
+                "config": name,
+                "dataset": dataset,
+                "prompts": stats.prompts,
+                "decoding_length": config.decoding_length,
+                "branch_length": config.branch_length,
+                "policy": config.policy,
+                "edl": round(stats.new_tokens / stats.steps, 3),
+                "draft_tokens_per_step": round(stats.draft_tokens / stats.steps, 2),
+                "predicted_speedup": round(plain_s / predicted_seconds(stats, header["cost_ms"]), 3),
+            }
+        )
+    return rows
+
+
+def sweep_configs() -> dict[str, LookaheadConfig]:
+    """The fixed grid the adaptive policy has to match: decoding_length x branch_length."""
+    return {
+        f"fixed-{d}x{b}": LookaheadConfig(decoding_length=d, branch_length=b, policy="fixed")
+        for d in (4, 8, 16, 32, 64)
+        for b in (4, 8, 16)
+    }
 
 
 # ---- recording --------------------------------------------------------------------------
-
-
-def measure_cost(engine: LookaheadEngine, context: Sequence[int], repeats: int = 5) -> dict[int, float]:
-    """Median milliseconds of one forward pass of each width after `context` in the cache."""
-    costs = {}
-    with torch.inference_mode():
-        cache = new_cache(engine.model)
-        engine.forward(cache, list(context), 0, last_only=True)
-        past = len(context)
-        for width in _COST_WIDTHS:
-            times = []
-            for _ in range(repeats):
-                block = list(context[-width:]) if width <= past else [*context] * 2
-                clock = time.perf_counter()
-                engine.forward(cache, block[:width], past)
-                times.append((time.perf_counter() - clock) * 1000)
-                for layer in cache.layers:  # drop the block again: the context stays the same
-                    layer.keys = layer.keys[..., :past, :]
-                    layer.values = layer.values[..., :past, :]
-            costs[width] = round(statistics.median(times), 2)
-    return costs
 
 
 def record(engine: LookaheadEngine, prompts: list[Prompt], max_new_tokens: int, path: Path, progress=None) -> None:
@@ -144,13 +151,12 @@ def record(engine: LookaheadEngine, prompts: list[Prompt], max_new_tokens: int, 
         rows.append({"dataset": prompt.dataset, "key": prompt.key, "prompt_ids": ids, "output_ids": out.token_ids})
         if progress:
             progress()
-    context = (rows[0]["prompt_ids"] + rows[0]["output_ids"])[:200]
     header = {
         "format": "lookahead-replay/1",
         "eos_ids": sorted(engine.eos_ids),
         "max_new_tokens": max_new_tokens,
         "draft_mode": engine.draft_mode,
-        "cost_ms": measure_cost(engine, context),
+        "cost_ms": engine.measure_cost(),
     }
     scratch = path.with_name(path.name + ".part")
     with scratch.open("w") as out:

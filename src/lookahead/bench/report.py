@@ -27,7 +27,7 @@ def environment() -> dict[str, str]:
     }
 
 
-def markdown_table(rows: list[dict]) -> str:
+def markdown_table(rows: list[dict], columns: list[str] = _COLUMNS) -> str:
     def cell(value) -> str:
         if value is None:
             return "-"
@@ -35,8 +35,8 @@ def markdown_table(rows: list[dict]) -> str:
             return f"{value:.2f}"
         return str(value)
 
-    lines = ["| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
-    lines += ["| " + " | ".join(cell(row.get(col)) for col in _COLUMNS) + " |" for row in rows]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(col)) for col in columns) + " |" for row in rows]
     return "\n".join(lines)
 
 
@@ -62,6 +62,36 @@ def plot_speedup(rows: list[dict], path: Path, title: str) -> None:
     ax.set_ylabel("speedup over plain greedy (x)")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_sweep(rows: list[dict], path: Path, title: str) -> None:
+    """Per data set: speedup against decoding_length, a line per fixed branch_length, adaptive dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    fig, axes = plt.subplots(1, len(datasets), figsize=(3.2 * len(datasets), 3.4), sharey=True, squeeze=False)
+    for ax, dataset in zip(axes[0], datasets, strict=True):
+        mine = [r for r in rows if r["dataset"] == dataset]
+        for branch in sorted({r["branch_length"] for r in mine if r["policy"] == "fixed"}):
+            line = sorted((r["decoding_length"], r["predicted_speedup"]) for r in mine
+                          if r["policy"] == "fixed" and r["branch_length"] == branch)  # fmt: skip
+            ax.plot(*zip(*line, strict=True), marker="o", markersize=3, label=f"fixed, depth {branch}")
+        for r in mine:
+            if r["policy"] == "adaptive":
+                ax.axhline(r["predicted_speedup"], linestyle="--", color="black", linewidth=1,
+                           label=f"adaptive ({r['config']})")  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_title(dataset, fontsize=9)
+        ax.set_xlabel("decoding_length (nodes)")
+    axes[0][0].set_ylabel("predicted speedup (x)")
+    axes[0][-1].legend(fontsize=6)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

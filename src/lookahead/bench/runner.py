@@ -43,9 +43,14 @@ def parse_variant(spec: str) -> tuple[str, LookaheadConfig]:
     overrides = {}
     for item in settings.split(","):
         key, _, value = item.partition("=")
-        if key not in LookaheadConfig.__dataclass_fields__:
+        field_ = LookaheadConfig.__dataclass_fields__.get(key)
+        if field_ is None:
             raise ValueError(f"--config {spec!r}: unknown setting {key!r}")
-        overrides[key] = float(value) if key == "min_score" else int(value)
+        convert = {"int": int, "float": float}.get(str(field_.type), str)
+        try:
+            overrides[key] = convert(value)
+        except ValueError:
+            raise ValueError(f"--config {spec!r}: {key} must be {field_.type}, got {value!r}") from None
     return name, LookaheadConfig(**overrides)
 
 
@@ -122,7 +127,7 @@ class Bench:
 
 def summarize(samples: list[Sample], methods: list[str]) -> list[dict]:
     """One row per (data set, method), plus an `all` row per method; ratios against `plain`."""
-    plain = {s.key: s for s in samples if s.method == "plain"}
+    plain = {(s.dataset, s.key): s for s in samples if s.method == "plain"}
     datasets = list(dict.fromkeys(s.dataset for s in samples))
     rows = []
     for dataset in [*datasets, "all"]:
@@ -149,7 +154,12 @@ def summarize(samples: list[Sample], methods: list[str]) -> list[dict]:
                     ),
                     "speedup": round(base_seconds / seconds, 3) if base_seconds else None,
                     "exact_match": round(
-                        sum(s.key in plain and s.token_ids == plain[s.key].token_ids for s in group) / len(group), 3
+                        sum(
+                            (s.dataset, s.key) in plain and s.token_ids == plain[(s.dataset, s.key)].token_ids
+                            for s in group
+                        )
+                        / len(group),
+                        3,
                     ),
                 }
             )

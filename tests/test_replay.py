@@ -1,0 +1,52 @@
+"""Replay must predict exactly what a real run does: same steps, same tokens per step."""
+
+import json
+
+import pytest
+
+from lookahead import LookaheadConfig, LookaheadEngine
+from lookahead.bench.datasets import load_prompts
+from lookahead.bench.replay import ReplayStats, load_records, oracle_choices, predicted_seconds, record, replay
+from lookahead.cli import main
+from lookahead.draft import DraftTree
+
+
+def test_oracle_follows_the_recording_only_along_matching_paths():
+    # root; 1: 7 (matches), 2: 9 (does not), 3: 8 under 1 (matches)
+    tree = DraftTree(tokens=[7, 9, 8], parents=[0, 0, 1])
+    output = [5, 7, 8, 6]
+    assert oracle_choices(tree, output, pos=1) == [7, 8, -1, 6]
+
+
+def test_predicted_time_interpolates_the_cost_curve():
+    stats = ReplayStats(widths={1: 2, 4: 1, 128: 1})
+    cost = {"1": 10.0, "8": 24.0, "64": 80.0}
+    assert predicted_seconds(stats, cost) == pytest.approx((2 * 10 + 16 + 144) / 1000)
+
+
+def test_bad_recording_file(tmp_path):
+    bad = tmp_path / "r.jsonl"
+    bad.write_text('{"something": "else"}\n')
+    with pytest.raises(ValueError, match="not a replay recording"):
+        load_records(bad)
+    assert main(["replay", str(tmp_path / "missing.jsonl")]) == 2
+
+
+@pytest.mark.slow
+def test_replay_equals_a_real_run(default_model, tmp_path):
+    model, tokenizer = default_model
+    prompts = load_prompts(["code-edit", "gsm8k"], 2)
+    path = tmp_path / "rec.jsonl"
+    record(LookaheadEngine(model, tokenizer), prompts, 40, path)
+    header, records = load_records(path)
+    assert header["cost_ms"]["1"] > 0 and len(records) == 4
+    config = LookaheadConfig(decoding_length=12, branch_length=6)
+    real = LookaheadEngine(model, tokenizer, config)  # a fresh trie, like the replay's
+    steps: dict[str, int] = {}
+    for prompt, rec in zip(prompts, records, strict=True):
+        out = real.generate(rec["prompt_ids"], max_new_tokens=40)
+        assert out.token_ids == rec["output_ids"]
+        steps[prompt.dataset] = steps.get(prompt.dataset, 0) + out.stats.steps
+    replayed = replay(records, header, config)
+    assert {name: stats.steps for name, stats in replayed.items()} == steps
+    assert json.loads(path.read_text().splitlines()[0])["format"] == "lookahead-replay/1"
