@@ -40,3 +40,10 @@ def test_sliding_window_model_past_its_window(tokenizer):
     engine = LookaheadEngine(model, tokenizer, LookaheadConfig(decoding_length=8, branch_length=4, policy="fixed"))
     for ids in _prompts(2):
         assert engine.generate(ids, max_new_tokens=30).token_ids == hf_greedy(model, ids, 30)
+
+
+def test_warns_about_generation_settings_it_does_not_apply(tokenizer):
+    model = tiny_model("llama")
+    model.generation_config.repetition_penalty = 1.3
+    with pytest.warns(UserWarning, match="repetition_penalty"):
+        LookaheadEngine(model, tokenizer, LookaheadConfig(policy="fixed"))

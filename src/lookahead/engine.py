@@ -14,6 +14,7 @@ import os
 import statistics
 import threading
 import time
+import warnings
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -71,6 +72,19 @@ class GenerationOutput:
     finish_reason: Literal["stop", "length"]
 
 
+# Generation-config settings that change which token greedy `generate()` picks; the engine's
+# greedy argmax does not apply them (yet), so it warns instead of silently differing.
+_GREEDY_CHANGING = ("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "min_length", "bad_words_ids",
+                    "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id",
+                    "sequence_bias")  # fmt: skip
+
+
+def _unsupported_settings(model: PreTrainedModel) -> list[str]:
+    config = model.generation_config
+    neutral = {"repetition_penalty": 1.0, "min_length": 0}
+    return [name for name in _GREEDY_CHANGING if getattr(config, name, None) not in (None, neutral.get(name), [], {})]
+
+
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     """End-of-sequence ids as `generate` sees them: the generation config first."""
     eos = getattr(model.generation_config, "eos_token_id", None)
@@ -99,6 +113,12 @@ class LookaheadEngine:
         self.tokenizer = tokenizer
         self.config = config or LookaheadConfig()
         self.eos_ids = _eos_ids(model, tokenizer)
+        if unsupported := _unsupported_settings(model):
+            warnings.warn(
+                f"the model's generation config sets {', '.join(unsupported)}, which model.generate() applies "
+                "and this engine does not yet: outputs may differ from generate()",
+                stacklevel=2,
+            )
         self.trie = trie or TokenTrie(self.config.ngram_length, boundary_ids=self.eos_ids)
         self.device = next(model.parameters()).device
         accepted = inspect.signature(model.forward).parameters

@@ -40,26 +40,17 @@ def markdown_table(rows: list[dict], columns: list[str] = _COLUMNS) -> str:
     return "\n".join(lines)
 
 
-def plot_speedup(rows: list[dict], path: Path, title: str) -> None:
-    """Grouped bars: speedup over plain decoding per data set and method."""
+def _pyplot():
+    """pyplot on the file-only backend: plots are written, never shown."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
-    methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "plain"]
-    width = 0.8 / max(len(methods), 1)
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(datasets)), 4))
-    for i, method in enumerate(methods):
-        values = [
-            next((r["speedup"] for r in rows if r["dataset"] == d and r["method"] == method), 0) for d in datasets
-        ]
-        bars = ax.bar([x + i * width for x in range(len(datasets))], values, width, label=method)
-        ax.bar_label(bars, fmt="%.2f", fontsize=7)
-    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
-    ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(datasets))], datasets)
-    ax.set_ylabel("speedup over plain greedy (x)")
+    return plt
+
+
+def _save(plt, fig, ax, path: Path, title: str) -> None:
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -67,12 +58,29 @@ def plot_speedup(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def plot_speedup(rows: list[dict], path: Path, title: str) -> None:
+    """Grouped bars: speedup over plain decoding per data set and method."""
+    plt = _pyplot()
+
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "plain"]
+    width = 0.8 / max(len(methods), 1)
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(datasets)), 4))
+    for i, method in enumerate(methods):
+        values = [
+            next((r["speedup"] or 0 for r in rows if r["dataset"] == d and r["method"] == method), 0) for d in datasets
+        ]
+        bars = ax.bar([x + i * width for x in range(len(datasets))], values, width, label=method)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(datasets))], datasets)
+    ax.set_ylabel("speedup over plain greedy (x)")
+    _save(plt, fig, ax, path, title)
+
+
 def plot_sweep(rows: list[dict], path: Path, title: str) -> None:
     """Per data set: speedup against decoding_length, a line per fixed branch_length, adaptive dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     fig, axes = plt.subplots(1, len(datasets), figsize=(3.2 * len(datasets), 3.4), sharey=True, squeeze=False)
@@ -99,10 +107,7 @@ def plot_sweep(rows: list[dict], path: Path, title: str) -> None:
 
 def plot_accepted(histograms: dict[str, Counter[int]], path: Path, title: str) -> None:
     """Share of steps by draft tokens accepted, per lookahead method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for method, counts in histograms.items():
@@ -111,11 +116,7 @@ def plot_accepted(histograms: dict[str, Counter[int]], path: Path, title: str) -
         ax.plot(list(xs), [counts.get(x, 0) / total for x in xs], marker="o", markersize=3, label=method)
     ax.set_xlabel("draft tokens accepted in a step")
     ax.set_ylabel("share of steps")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, ax, path, title)
 
 
 def write_page(result_files: list[Path], notes: Path | None, out: Path) -> None:
