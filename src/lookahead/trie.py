@@ -55,7 +55,7 @@ class _Ngrams:
 
 
 @dataclass
-class Feed:
+class _Feed:
     """Incremental insertion state of one growing sequence: the open n-gram ends."""
 
     ngrams: _Ngrams
@@ -84,7 +84,7 @@ class TokenTrie:
         self.boundary_ids = frozenset(boundary_ids)
         self._shared = _Ngrams()
         self._prompts: dict[Hashable, _Ngrams] = {}
-        self._feeds: dict[Hashable, Feed] = {}
+        self._feeds: dict[Hashable, _Feed] = {}
         self._lock = threading.RLock()
 
     def __len__(self) -> int:
@@ -97,7 +97,7 @@ class TokenTrie:
         """Add every n-gram of `tokens`: to `request`'s prompt trie, or shared if no request."""
         with self._lock:
             target = self._shared if request is None else self._prompts.setdefault(request, _Ngrams())
-            feed = Feed(target, self.ngram_length)
+            feed = _Feed(target, self.ngram_length)
             for token in tokens:
                 feed.push(token, token in self.boundary_ids)
 
@@ -106,7 +106,7 @@ class TokenTrie:
         with self._lock:
             feed = self._feeds.get(request)
             if feed is None:
-                feed = self._feeds[request] = Feed(self._shared, self.ngram_length)
+                feed = self._feeds[request] = _Feed(self._shared, self.ngram_length)
             for token in new_tokens:
                 feed.push(token, token in self.boundary_ids)
 
