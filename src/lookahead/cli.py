@@ -23,10 +23,6 @@ DEMO_PROMPT = (
 )
 
 
-class UserError(Exception):
-    """A mistake in what the user asked for: reported in one line, exit code 2."""
-
-
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -147,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handlers = {"generate": cmd_generate, "bench": cmd_bench, "replay": cmd_replay}
     try:
         return handlers[args.command](args)
-    except (UserError, ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError) as err:  # user mistakes: one line, exit 2
         print(f"lookahead: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -59,9 +59,9 @@ class CostModel:
 
     def observe(self, width: int, milliseconds: float) -> None:
         """Follow drift (load, longer context) with one slowly moving factor; ignore outliers."""
-        ratio = milliseconds / self.predict(width) * self.scale
-        if 0.2 < ratio / self.scale < 5:
-            self.scale = 0.95 * self.scale + 0.05 * ratio
+        surprise = milliseconds / self.predict(width)
+        if 0.2 < surprise < 5:
+            self.scale = 0.95 * self.scale + 0.05 * self.scale * surprise
 
 
 class Calibration:

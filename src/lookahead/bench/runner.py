@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -54,9 +53,6 @@ def parse_variant(spec: str) -> tuple[str, LookaheadConfig]:
     return name, LookaheadConfig(**overrides)
 
 
-Runner = Callable[[list[int], int], Sample]
-
-
 class Bench:
     """Holds the model, one engine per lookahead method, and runs one prompt at a time."""
 
@@ -67,11 +63,10 @@ class Bench:
         methods: list[str],
         variants: dict[str, LookaheadConfig],
         max_new_tokens: int,
-        lookahead_config: LookaheadConfig | None = None,
     ) -> None:
         self.model = model
         self.max_new_tokens = max_new_tokens
-        base = LookaheadEngine(model, tokenizer, lookahead_config)
+        base = LookaheadEngine(model, tokenizer)
         self.engines = {"plain": base, "lookahead": base}
         self.engines.update({name: LookaheadEngine(model, tokenizer, cfg) for name, cfg in variants.items()})
         self.methods = methods
