@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint models bench bench-full replay
+.PHONY: setup run test lint models bench bench-full bench-gpu replay
 
 setup: $(STAMP)
 
@@ -40,6 +40,14 @@ bench: setup
 	$(BIN)/lookahead bench --limit 10 --datasets humaneval,gsm8k,mtbench,code-edit,creative \
 		--methods plain,hf-prompt-lookup,lookahead --config fixed-16x8:decoding_length=16,branch_length=8,policy=fixed \
 		--out benchmarks/smollm2-135m
+	$(BENCH_PAGE)
+
+# On a CUDA machine: the same comparison in bfloat16 and float32 (DTYPE=float32).
+DTYPE ?= bfloat16
+bench-gpu: models
+	$(BIN)/lookahead bench --model qwen2.5-coder-0.5b --device cuda --dtype $(DTYPE) --threads 8 --limit 10 \
+		--datasets code-edit,humaneval,gsm8k,mtbench --methods plain,hf-prompt-lookup,lookahead \
+		--out benchmarks/qwen2.5-coder-0.5b-cuda-$(DTYPE)
 	$(BENCH_PAGE)
 
 # Drafter tuning without the model: record greedy outputs once, then replay settings in seconds.

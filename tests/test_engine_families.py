@@ -47,3 +47,16 @@ def test_warns_about_generation_settings_it_does_not_apply(tokenizer):
     model.generation_config.repetition_penalty = 1.3
     with pytest.warns(UserWarning, match="repetition_penalty"):
         LookaheadEngine(model, tokenizer, LookaheadConfig(policy="fixed"))
+
+
+def test_model_that_ignores_the_cache_is_refused(tokenizer):
+    """A model that drops the cache it is given would decode garbage: refuse it at start."""
+    model = tiny_model("llama")
+    forward = model.forward
+
+    def forgetful(*args, cache=None, past_key_values=None, **kwargs):
+        return forward(*args, **kwargs)
+
+    model.forward = forgetful
+    with pytest.raises(RuntimeError, match="does not continue from the cache"):
+        LookaheadEngine(model, tokenizer)

@@ -71,8 +71,28 @@ def _ancestors(tree: DraftTree, index: int) -> list[int]:
     return path[::-1]
 
 
+def check_cached_decoding(engine: LookaheadEngine) -> None:
+    """Raise if a cached step differs from a fresh forward: plain decoding itself would be wrong.
+
+    This catches a model (or transformers version) that silently ignores the cache it is given.
+    """
+    vocab = engine.model.config.vocab_size
+    prefix, root = [t % vocab for t in _PREFIX], _ROOT % vocab
+    with torch.inference_mode():
+        cache = new_cache(engine.model)
+        engine.forward(cache, prefix, 0)
+        got = engine.forward(cache, [root], len(prefix))[-1]
+        want = _plain_logits(engine, [*prefix, root])[-1]
+    if not _close(got, want):
+        raise RuntimeError(
+            f"{type(engine.model).__name__} does not continue from the cache the engine passes it: "
+            "this model or transformers version is not supported"
+        )
+
+
 def probe_draft_mode(engine: LookaheadEngine) -> Literal["tree", "chain", "off"]:
     """'tree' if branching drafts verify exactly, else 'chain' if single paths do, else 'off'."""
+    check_cached_decoding(engine)
     for mode, tree in (("tree", _TREE), ("chain", _CHAIN)):
         try:
             if _passes(engine, tree):

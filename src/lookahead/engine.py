@@ -123,6 +123,8 @@ class LookaheadEngine:
         self.device = next(model.parameters()).device
         accepted = inspect.signature(model.forward).parameters
         self._takes_logits_to_keep = "logits_to_keep" in accepted
+        # transformers renamed `past_key_values` to `cache` during 5.x; an unknown name is silently ignored
+        self._cache_keyword = "cache" if "cache" in accepted else "past_key_values"
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
         window = getattr(model.config, "sliding_window", None)
         self._tree_window = window if isinstance(window, int) and window > 0 else None
@@ -148,7 +150,7 @@ class LookaheadEngine:
         """
         size = len(block)
         ids = torch.tensor([list(block)], dtype=torch.long, device=self.device)
-        kwargs: dict = {"input_ids": ids, "cache": cache, "use_cache": True}
+        kwargs: dict = {"input_ids": ids, self._cache_keyword: cache, "use_cache": True}
         if tree is not None and not tree.is_chain:
             kwargs["attention_mask"] = tree.attention_mask(past, self.model.dtype, self.device)
             kwargs["position_ids"] = tree.position_ids(past, self.device)
@@ -175,7 +177,7 @@ class LookaheadEngine:
                 times = []
                 for _ in range(repeats):
                     clock = time.perf_counter()
-                    self.forward(cache, prefix[:width], context)
+                    self.forward(cache, prefix[:width], context).argmax(-1).tolist()  # as a step: waits for the device
                     times.append((time.perf_counter() - clock) * 1000)
                     cache.crop(-width)  # the context stays the same for every measurement
                 costs[width] = round(statistics.median(times), 3)

@@ -28,13 +28,17 @@ def keep_accepted(cache: Cache, block_size: int, accepted: list[int]) -> None:
     """Drop the last `block_size` entries except the root and the `accepted` block indices."""
     kept = len(accepted) + 1
     moved = accepted if accepted != list(range(1, kept)) else []
+    offsets: dict[torch.device, torch.Tensor] = {}  # one host-to-device copy per device, not per layer
     for layer in cache.layers:
         if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
             continue
         stored = layer.keys.shape[-2]
         start = stored - block_size
         if moved:
-            source = torch.tensor(moved, device=layer.keys.device) + start
+            device = layer.keys.device
+            if device not in offsets:
+                offsets[device] = torch.tensor(moved, device=device)
+            source = offsets[device] + start
             layer.keys[..., start + 1 : start + kept, :] = layer.keys.index_select(-2, source)
             layer.values[..., start + 1 : start + kept, :] = layer.values.index_select(-2, source)
         end = start + kept

@@ -87,7 +87,7 @@ class Bench:
         )  # fmt: skip
 
     def _run_hf(self, method: str, prompt: Prompt, ids: list[int], limit: int) -> Sample:
-        inputs = torch.tensor([ids])
+        inputs = torch.tensor([ids], device=self.model.device)
         extra = {"prompt_lookup_num_tokens": 10} if method == "hf-prompt-lookup" else {}
         pad = self.model.generation_config.pad_token_id
         clock = time.perf_counter()
@@ -100,8 +100,9 @@ class Bench:
                 pad_token_id=pad if pad is not None else 0,
                 **extra,
             )
+        tokens = out[0, len(ids) :].tolist()  # waits for the device, so the clock sees all the work
         seconds = time.perf_counter() - clock
-        return Sample(prompt.dataset, method, prompt.key, out[0, len(ids) :].tolist(), seconds, None, None)
+        return Sample(prompt.dataset, method, prompt.key, tokens, seconds, None, None)
 
     def warm_up(self, prompt: Prompt) -> None:
         """First calls pay one-off costs (allocations, kernel selection): not part of any figure."""
