@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint models bench bench-full bench-gpu replay
+.PHONY: setup run test lint models bench bench-sampling bench-full bench-gpu replay trie-bench loadcheck
 
 setup: $(STAMP)
 
@@ -42,6 +42,12 @@ bench: setup
 		--out benchmarks/smollm2-135m
 	$(BENCH_PAGE)
 
+# Sampling (temperature 0.7, top-p 0.9): lookahead vs plain sampling, one seed per prompt for both.
+bench-sampling: setup
+	$(BIN)/lookahead bench --limit 10 --datasets humaneval,gsm8k,mtbench,code-edit,creative \
+		--methods plain,lookahead --temperature 0.7 --top-p 0.9 --out benchmarks/smollm2-135m-sampling
+	$(BENCH_PAGE)
+
 # On a CUDA machine: the same comparison in bfloat16 and float32 (DTYPE=float32).
 DTYPE ?= bfloat16
 bench-gpu: models
@@ -55,6 +61,14 @@ replay: setup
 	test -f benchmarks/replay/smollm2-135m.jsonl || $(BIN)/lookahead replay --record benchmarks/replay/smollm2-135m.jsonl \
 		--datasets humaneval,gsm8k,mtbench,code-edit,creative --limit 10
 	$(BIN)/lookahead replay benchmarks/replay/smollm2-135m.jsonl --sweep --out benchmarks/replay
+
+# `lookahead serve` under load: 4 streaming clients for 120 s on loopback, every answer checked: benchmarks/server/.
+loadcheck: setup
+	$(BIN)/python -m lookahead.bench.loadcheck --clients 4 --duration 120 --out benchmarks/server
+
+# Trie speed, memory, eviction and warm start (about 10 minutes; no model run): benchmarks/trie/.
+trie-bench: setup
+	$(BIN)/python -m lookahead.bench.triebench --out benchmarks/trie
 
 bench-full: models
 	$(BIN)/lookahead bench --model qwen2.5-coder-0.5b --limit 10 --datasets code-edit,humaneval \

@@ -10,12 +10,26 @@ sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(2)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models are all Python overhead: one thread avoids waking a second on every matmul."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def default_model():
     """The bundled default model and tokenizer, loaded once for the whole run."""
     from lookahead import load_model
 
     return load_model()
+
+
+@pytest.fixture(scope="session")
+def model(default_model):
+    return default_model[0]
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,8 @@ from tiny_models import FAMILIES, tiny_model
 
 from lookahead import LookaheadConfig, LookaheadEngine
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # Families known to honour a custom 4-D mask; the rest must be detected and fall back.
 EXPECTED_MODE = {family: "tree" for family in FAMILIES} | {"bloom": "chain"}
 

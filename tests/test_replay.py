@@ -40,7 +40,8 @@ def test_replay_equals_a_real_run(default_model, tmp_path):
     record(LookaheadEngine(model, tokenizer), prompts, 40, path)
     header, records = load_records(path)
     assert header["cost_ms"]["1"] > 0 and len(records) == 4
-    config = LookaheadConfig(decoding_length=12, branch_length=6)
+    # fixed policy: the adaptive one also reacts to the wall time of real steps, which replay cannot know
+    config = LookaheadConfig(decoding_length=12, branch_length=6, policy="fixed")
     real = LookaheadEngine(model, tokenizer, config)  # a fresh trie, like the replay's
     steps: dict[str, int] = {}
     for prompt, rec in zip(prompts, records, strict=True):

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
+
+from .trie_cli import add_trie_parser
 
 DEMO_PROMPT = (
     "Rewrite this function with type hints and a docstring, keeping the logic identical:\n"
@@ -37,6 +40,21 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
 
 
+def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy; above 0 samples")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None, help="same seed, same output (with or without lookahead)")
+
+
+def sampling_options(args: argparse.Namespace) -> dict:
+    """Engine options for the sampling flags; empty when greedy."""
+    if args.temperature == 0:
+        return {}
+    return {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+            "seed": args.seed}  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lookahead", description="Lossless lookahead decoding.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -48,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--compare", action="store_true", help="also run plain decoding and print the speedup")
     generate.add_argument("--decoding-length", type=_positive, default=None, help="most draft nodes per step")
     generate.add_argument("--branch-length", type=_positive, default=None, help="deepest draft path")
+    generate.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    _add_sampling_options(generate)
 
     bench = commands.add_parser("bench", help="side-by-side benchmark on the data sets")
     _add_model_options(bench)
@@ -61,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-new-tokens", type=_positive, default=128)
     bench.add_argument("--out", default="bench-out", help="directory for results.json, results.md and plots")
     bench.add_argument("--json", default=None, help="also write the results JSON here")
+    _add_sampling_options(bench)
 
     replay = commands.add_parser("replay", help="record greedy outputs once, then evaluate drafters offline")
     _add_model_options(replay)
@@ -74,10 +95,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     replay.add_argument("--sweep", action="store_true", help="also every fixed decoding_length x branch_length")
     replay.add_argument("--out", default=None, help="directory for replay.json, replay.md (and sweep.png)")
+
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server, one engine and one shared trie")
+    _add_model_options(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--trie-path", default=None, help="load the trie from this file; save it there periodically")
+    serve.add_argument("--save-every", type=float, default=10.0, help="minutes between trie saves")
+    serve.add_argument("--api-key", default=os.environ.get("LOOKAHEAD_API_KEY"), help="require Authorization: Bearer")
+    serve.add_argument("--max-queue", type=_positive, default=32, help="waiting requests before answering 503")
+    add_trie_parser(commands)
     return parser
 
 
-def _engine(args: argparse.Namespace):
+def _engine(args: argparse.Namespace, trie=None):
     import torch
 
     from . import LookaheadConfig, LookaheadEngine, load_model
@@ -89,7 +120,7 @@ def _engine(args: argparse.Namespace):
     }
     config = LookaheadConfig(**overrides)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
-    return LookaheadEngine(model, tokenizer, config)
+    return LookaheadEngine(model, tokenizer, config, trie)
 
 
 def prompt_ids(engine, prompt: str, raw: bool) -> list[int]:
@@ -102,20 +133,22 @@ def prompt_ids(engine, prompt: str, raw: bool) -> list[int]:
 def cmd_generate(args: argparse.Namespace) -> int:
     engine = _engine(args)
     ids = prompt_ids(engine, args.prompt, args.raw)
+    options = {**sampling_options(args), "stop": args.stop}
+    if options.get("do_sample") and options["seed"] is None and args.compare:
+        options["seed"] = 0  # the comparison needs both runs to draw the same numbers
+    stream = engine.stream(ids, args.max_new_tokens, **options)  # checks the options before any work
     engine.generate(ids, max_new_tokens=2, use_lookahead=False)  # warm-up: first calls pay one-off costs
     clock = time.perf_counter()
-    pieces = []
-    for delta in engine.stream(ids, max_new_tokens=args.max_new_tokens):
-        pieces.append(delta)
+    for delta in stream:
         print(delta, end="", flush=True)
     print()
     fast_s = time.perf_counter() - clock
-    out = engine.generate(ids, max_new_tokens=args.max_new_tokens) if args.compare else None
+    out = engine.generate(ids, args.max_new_tokens, **options) if args.compare else None
     mode = f"{engine.draft_mode} drafts"
     if out is None:
         print(f"[{mode}, {fast_s:.2f} s]", file=sys.stderr)
         return 0
-    plain = engine.generate(ids, max_new_tokens=args.max_new_tokens, use_lookahead=False)
+    plain = engine.generate(ids, args.max_new_tokens, use_lookahead=False, **options)
     same = plain.token_ids == out.token_ids
     fast_tps = out.stats.new_tokens / out.stats.seconds
     plain_tps = plain.stats.new_tokens / plain.stats.seconds
@@ -138,9 +171,29 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return run_replay(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from .server.main import serve
+    except ImportError as err:
+        raise ValueError(f"serve needs {err.name}, which is not installed: pip install 'lookahead[serve]'") from err
+    return serve(args, _engine)
+
+
+def cmd_trie(args: argparse.Namespace) -> int:
+    from .trie_cli import run_trie
+
+    return run_trie(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"generate": cmd_generate, "bench": cmd_bench, "replay": cmd_replay}
+    handlers = {
+        "generate": cmd_generate,
+        "bench": cmd_bench,
+        "replay": cmd_replay,
+        "serve": cmd_serve,
+        "trie": cmd_trie,
+    }
     try:
         return handlers[args.command](args)
     except (ValueError, FileNotFoundError) as err:  # user mistakes: one line, exit 2

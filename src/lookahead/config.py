@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+DEFAULT_TRIE_MAX_NODES = 1_000_000
+"""About 200 MB: `python -m lookahead.bench.triebench` measures under 200 bytes a node."""
+DEFAULT_TRIE_HALF_LIFE = 200_000.0
+"""Tokens after which an old sighting of an n-gram counts half as much as a new one (budget / 5)."""
+
 
 @dataclass(frozen=True)
 class LookaheadConfig:
@@ -23,6 +28,10 @@ class LookaheadConfig:
     """Draft nodes whose estimated acceptance probability is below this are not sent."""
     policy: str = "adaptive"
     """'adaptive': send the part of the tree worth its measured cost; 'fixed': send all of it."""
+    trie_max_nodes: int | None = DEFAULT_TRIE_MAX_NODES
+    """Most nodes the shared trie keeps (None: no limit); the least useful are evicted past it."""
+    trie_half_life: float | None = DEFAULT_TRIE_HALF_LIFE
+    """Decay of the counts that decide eviction, in tokens learned (None: plain counts)."""
 
     def __post_init__(self) -> None:
         for name in ("decoding_length", "branch_length", "match_length"):
@@ -31,6 +40,10 @@ class LookaheadConfig:
                 raise ValueError(f"LookaheadConfig.{name} must be a positive integer, got {value!r}")
         if self.policy not in ("adaptive", "fixed"):
             raise ValueError(f"LookaheadConfig.policy must be 'adaptive' or 'fixed', got {self.policy!r}")
+        if self.trie_max_nodes is not None and (not isinstance(self.trie_max_nodes, int) or self.trie_max_nodes < 1):
+            raise ValueError(f"LookaheadConfig.trie_max_nodes must be positive or None, got {self.trie_max_nodes!r}")
+        if self.trie_half_life is not None and not self.trie_half_life > 0:
+            raise ValueError(f"LookaheadConfig.trie_half_life must be positive or None, got {self.trie_half_life!r}")
         if not 0.0 <= self.min_score < 1.0:
             raise ValueError(f"LookaheadConfig.min_score must be in [0, 1), got {self.min_score!r}")
 

@@ -16,12 +16,12 @@ import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import Cache, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
 from .capability import probe_draft_mode
 from .config import LookaheadConfig
@@ -29,8 +29,10 @@ from .draft import DraftTree
 from .kvcache import keep_accepted, new_cache
 from .models import cache_dir
 from .policy import CostModel, DraftPolicy, DraftSession
+from .sampling import SamplingParams, TokenChooser
+from .transcript import FinishReason, Transcript, stop_strings
 from .trie import TokenTrie
-from .verify import accept_greedy
+from .verify import accept, accept_greedy
 
 DraftMode = Literal["tree", "chain", "off"]
 COST_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # small widths are irregular on CPUs
@@ -68,12 +70,84 @@ class GenerationOutput:
     token_ids: list[int]
     """New tokens only, end-of-sequence included if generated."""
     text: str
+    """Decoded new text, ending before a stop string if one was hit."""
     stats: GenerationStats
-    finish_reason: Literal["stop", "length"]
+    finish_reason: FinishReason
+    """'stop': end-of-sequence, a stop token or a stop string; 'length': max_new_tokens reached."""
 
 
-# Generation-config settings that change which token greedy `generate()` picks; the engine's
-# greedy argmax does not apply them (yet), so it warns instead of silently differing.
+class _Request:
+    """One generation: its prompt, how it chooses tokens, and where it stops."""
+
+    def __init__(
+        self,
+        engine: LookaheadEngine,
+        prompt: list[int],
+        max_new_tokens: int,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        logits_processor: LogitsProcessorList | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> None:
+        params = SamplingParams(do_sample, temperature, top_k, top_p, min_p, repetition_penalty, seed)
+        if logits_processor is not None and params != SamplingParams(do_sample, seed=seed):
+            raise ValueError("pass either logits_processor or sampling settings, not both")
+        processors = params.processors() if logits_processor is None else logits_processor
+        self.prompt = prompt
+        self.max_new_tokens = max_new_tokens
+        self.chooser = TokenChooser(processors, params.sampled, seed)
+        self.on_tokens = on_tokens
+        stops = stop_strings(stop)
+        tokenizer = engine.tokenizer
+        if stops and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: this engine has none")
+        extra = [int(t) for t in stop_token_ids or ()]
+        vocab = engine.model.config.vocab_size
+        if bad := [t for t in extra if not 0 <= t < vocab]:
+            raise ValueError(f"stop_token_ids outside the vocabulary of {vocab}: {bad[:5]}")
+        decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer else (lambda ids: "")
+        self.transcript = Transcript(decode, max_new_tokens, engine.eos_ids | frozenset(extra), stops)
+
+    def output(self, stats: GenerationStats) -> GenerationOutput:
+        transcript = self.transcript
+        return GenerationOutput(list(transcript.tokens), transcript.text, stats, transcript.finish_reason or "length")
+
+
+class TextStream:
+    """Text deltas of one generation as its tokens are accepted; `.output` once it is exhausted."""
+
+    def __init__(self, engine: LookaheadEngine, request: _Request, use_lookahead: bool) -> None:
+        self.output: GenerationOutput | None = None
+        self._deltas = self._run(engine, request, use_lookahead)
+
+    def _run(self, engine: LookaheadEngine, request: _Request, use_lookahead: bool) -> Iterator[str]:
+        stats = GenerationStats()
+        for _ in engine._decode(request, use_lookahead, stats):
+            if piece := request.transcript.delta():
+                yield piece
+        self.output = request.output(stats)
+
+    def __iter__(self) -> TextStream:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._deltas)
+
+    def close(self) -> None:
+        """End the generation now (its engine is free for the next request)."""
+        self._deltas.close()
+
+
+# Generation-config settings that change which token greedy `generate()` picks; the engine applies
+# only the options passed to it, so it warns instead of silently differing from `generate()`.
 _GREEDY_CHANGING = ("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "min_length", "bad_words_ids",
                     "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id",
                     "sequence_bias")  # fmt: skip
@@ -85,14 +159,19 @@ def _unsupported_settings(model: PreTrainedModel) -> list[str]:
     return [name for name in _GREEDY_CHANGING if getattr(config, name, None) not in (None, neutral.get(name), [], {})]
 
 
-def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
     """End-of-sequence ids as `generate` sees them: the generation config first."""
     eos = getattr(model.generation_config, "eos_token_id", None)
-    if eos is None:
+    if eos is None and tokenizer is not None:
         eos = tokenizer.eos_token_id
     if eos is None:
         return frozenset()
     return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+def _node_choice(chooser: TokenChooser, logits: torch.Tensor, sequence: list[int]) -> Callable[[int, list[int]], int]:
+    """The model's choice at a node of this step's block, given the draft path accepted above it."""
+    return lambda node, path: chooser.choose(logits[node], sequence + path)
 
 
 class LookaheadEngine:
@@ -105,7 +184,7 @@ class LookaheadEngine:
     def __init__(
         self,
         model: PreTrainedModel,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: PreTrainedTokenizerBase | None,
         config: LookaheadConfig | None = None,
         trie: TokenTrie | None = None,
     ) -> None:
@@ -115,11 +194,17 @@ class LookaheadEngine:
         self.eos_ids = _eos_ids(model, tokenizer)
         if unsupported := _unsupported_settings(model):
             warnings.warn(
-                f"the model's generation config sets {', '.join(unsupported)}, which model.generate() applies "
-                "and this engine does not yet: outputs may differ from generate()",
+                f"the model's generation config sets {', '.join(unsupported)}, which model.generate() applies by "
+                "default; the engine applies only the options passed to it (or use lookahead.hf.generate)",
                 stacklevel=2,
             )
-        self.trie = trie or TokenTrie(self.config.ngram_length, boundary_ids=self.eos_ids)
+        if trie is None:
+            trie = TokenTrie(
+                self.config.ngram_length, self.eos_ids, self.config.trie_max_nodes, self.config.trie_half_life
+            )
+        if tokenizer is not None:
+            trie.bind_tokenizer(tokenizer)  # a trie saved with another tokenizer is refused here
+        self.trie = trie
         self.device = next(model.parameters()).device
         accepted = inspect.signature(model.forward).parameters
         self._takes_logits_to_keep = "logits_to_keep" in accepted
@@ -209,6 +294,8 @@ class LookaheadEngine:
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of `prompt` (text is tokenized as is; ids are checked against the vocabulary)."""
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer: this engine has none, pass token ids")
         ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise ValueError("the prompt is empty")
@@ -219,102 +306,102 @@ class LookaheadEngine:
 
     def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a conversation in the tokenizer's chat template, ready for the reply."""
-        if not self.tokenizer.chat_template:
+        if self.tokenizer is None or not self.tokenizer.chat_template:
             raise ValueError("this tokenizer has no chat template: pass the prompt text or ids instead")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
         return [int(t) for t in ids]
 
     def generate(
-        self, prompt: str | Sequence[int], max_new_tokens: int = 128, use_lookahead: bool = True
+        self, prompt: str | Sequence[int], max_new_tokens: int = 128, use_lookahead: bool = True, **options
     ) -> GenerationOutput:
-        """Greedy continuation of `prompt`, token-for-token what plain greedy decoding gives."""
+        """The continuation of `prompt`, token for token what plain decoding gives.
+
+        Greedy by default. `options`: do_sample, temperature (0 = greedy), top_k, top_p, min_p,
+        repetition_penalty, seed (same seed, same output, with or without lookahead), stop (a
+        string or list: the text ends before the first), stop_token_ids, logits_processor (a
+        transformers LogitsProcessorList used instead of the sampling settings).
+        """
+        request = self._request(prompt, max_new_tokens, options)
         stats = GenerationStats()
-        tokens: list[int] = []
-        finish: list[str] = []
-        for chunk in self._decode(self.encode(prompt), max_new_tokens, use_lookahead, stats, finish):
-            tokens.extend(chunk)
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return GenerationOutput(tokens, text, stats, finish[0])  # type: ignore[arg-type]
+        for _ in self._decode(request, use_lookahead, stats):
+            pass
+        return request.output(stats)
 
     def stream(
-        self, prompt: str | Sequence[int], max_new_tokens: int = 128, use_lookahead: bool = True
-    ) -> Iterator[str]:
-        """Text deltas as tokens are accepted; never a character cut in half."""
-        tokens: list[int] = []
-        printed = ""
-        for chunk in self._decode(self.encode(prompt), max_new_tokens, use_lookahead, GenerationStats(), []):
-            tokens.extend(chunk)
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            if text.endswith("\ufffd"):
-                continue
-            if len(text) > len(printed):
-                yield text[len(printed) :]
-                printed = text
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        if len(text) > len(printed):
-            yield text[len(printed) :]
+        self, prompt: str | Sequence[int], max_new_tokens: int = 128, use_lookahead: bool = True, **options
+    ) -> TextStream:
+        """Text deltas as tokens are accepted (same options as `generate`); never half a character.
+
+        The arguments are checked here, before the first step. Closing the stream early ends
+        the generation; once it is exhausted, `.output` holds what `generate` would return.
+        """
+        return TextStream(self, self._request(prompt, max_new_tokens, options), use_lookahead)
+
+    def chat(
+        self, messages: list[dict[str, str]], max_new_tokens: int = 128, use_lookahead: bool = True, **options
+    ) -> GenerationOutput:
+        """The assistant's reply to `messages` in the tokenizer's chat template (options as `generate`)."""
+        return self.generate(self.chat_ids(messages), max_new_tokens, use_lookahead, **options)
 
     # ---- the step loop -----------------------------------------------------------------------
 
-    def _decode(
-        self,
-        prompt: list[int],
-        max_new_tokens: int,
-        use_lookahead: bool,
-        stats: GenerationStats,
-        finish: list[str],
-    ) -> Iterator[list[int]]:
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    def _request(self, prompt: str | Sequence[int], max_new_tokens: int, options: dict) -> _Request:
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        if self.max_positions and len(prompt) + max_new_tokens > self.max_positions:
+        ids = self.encode(prompt)
+        if self.max_positions and len(ids) + max_new_tokens > self.max_positions:
             raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                 f"model's context of {self.max_positions} tokens"
             )
+        return _Request(self, ids, max_new_tokens, **options)
+
+    def _decode(self, request: _Request, use_lookahead: bool, stats: GenerationStats) -> Iterator[list[int]]:
         session = (
-            DraftSession(self.trie, self.config, prompt, self.policy)
+            DraftSession(self.trie, self.config, request.prompt, self.policy)
             if use_lookahead and self.draft_mode != "off"
             else None
         )
         try:
-            yield from self._steps(prompt, max_new_tokens, session, stats, finish)
+            yield from self._steps(request, session, stats)
         finally:
             if session is not None:
                 session.close()
 
-    def _steps(
-        self,
-        prompt: list[int],
-        max_new_tokens: int,
-        session: DraftSession | None,
-        stats: GenerationStats,
-        finish: list[str],
-    ) -> Iterator[list[int]]:
+    def _steps(self, request: _Request, session: DraftSession | None, stats: GenerationStats) -> Iterator[list[int]]:
+        """Prefill, then draft → forward → accept → compact until the transcript is done."""
+        chooser, transcript = request.chooser, request.transcript
         with torch.inference_mode():
             cache = new_cache(self.model)
             clock = time.perf_counter()
-            first = int(self.forward(cache, prompt, 0, last_only=True).argmax(-1)[-1])
+            first = chooser.choose(self.forward(cache, request.prompt, 0, last_only=True)[-1], request.prompt)
             stats.prefill_s = time.perf_counter() - clock
-            sequence = [*prompt, first]
+            sequence = [*request.prompt]
             emitted = [first]
             while True:
-                emitted, done = self._cut(emitted, max_new_tokens - stats.new_tokens, finish)
-                stats.new_tokens += len(emitted)
+                kept = transcript.extend(emitted)
+                sequence.extend(kept)
+                stats.new_tokens += len(kept)
                 if session is not None:
-                    session.learn(emitted)
-                yield emitted
-                if done:
+                    session.learn(kept)  # what a stop discarded is never learnt
+                if request.on_tokens is not None:
+                    request.on_tokens(kept)
+                yield kept
+                if transcript.done:
                     return
                 past = len(sequence) - 1
                 clock = time.perf_counter()
                 tree = DraftTree()
                 if session is not None:
-                    tree = session.propose(sequence, max_new_tokens - stats.new_tokens, self._may_branch(past))
+                    room = request.max_new_tokens - stats.new_tokens
+                    tree = session.propose(sequence, room, self._may_branch(past))
                 tick = time.perf_counter()
                 logits = self.forward(cache, [sequence[-1], *tree.tokens], past, tree)
-                choices = logits.argmax(-1).tolist()
+                if chooser.plain_argmax:
+                    accepted, emitted = accept_greedy(tree, logits.argmax(-1).tolist())
+                else:
+                    accepted, emitted = accept(tree, _node_choice(chooser, logits, sequence))
                 tock = time.perf_counter()
-                accepted, emitted = accept_greedy(tree, choices)
                 if session is not None:
                     session.verified(tree, accepted, (tock - tick) * 1000)
                 tack = time.perf_counter()
@@ -327,7 +414,6 @@ class LookaheadEngine:
                 stats.steps += 1
                 stats.draft_tokens += len(tree)
                 stats.accepted_histogram[len(accepted)] += 1
-                sequence.extend(emitted)
 
     def _may_branch(self, past: int) -> bool:
         """Trees need the custom mask, which does not model sliding windows: stay inside them."""
@@ -335,14 +421,3 @@ class LookaheadEngine:
             return False
         window = self._tree_window
         return window is None or past + self.config.decoding_length + 1 < window
-
-    def _cut(self, tokens: list[int], room: int, finish: list[str]) -> tuple[list[int], bool]:
-        """Tokens up to and including the first end-of-sequence, within the token limit."""
-        for i, token in enumerate(tokens[:room]):
-            if token in self.eos_ids:
-                finish.append("stop")
-                return tokens[: i + 1], True
-        if len(tokens) >= room:
-            finish.append("length")
-            return tokens[:room], True
-        return tokens, False

@@ -2,22 +2,36 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .draft import DraftTree
 
 
-def accept_greedy(tree: DraftTree, choices: list[int]) -> tuple[list[int], list[int]]:
+def accept(tree: DraftTree, choose: Callable[[int, list[int]], int]) -> tuple[list[int], list[int]]:
     """Walk down from the root while the model's choice is a child of the current node.
 
-    `choices[i]` is the model's token at block index i (0 = root). Returns the block indices
-    of the accepted draft nodes and the emitted tokens: the accepted tokens plus the bonus
-    token chosen where the walk stops, so a step always emits at least one token.
+    `choose(i, path)` is the model's token at block index i (0 = root), where `path` is the
+    list of draft tokens accepted so far; it is asked only for the nodes the walk visits, in
+    order. Greedy: the argmax. Sampling: a draw from the node's processed distribution; the
+    walk then follows the drawn token, so every emitted token is distributed exactly as in
+    plain sampling ("sample, then match"). Returns the block indices of the accepted draft
+    nodes and the emitted tokens: the accepted tokens plus the token chosen where the walk
+    stops, so a step always emits at least one token.
     """
     children = tree.children()
     accepted: list[int] = []
+    emitted: list[int] = []
     node = 0
-    while (child := children[node].get(choices[node])) is not None:
+    while True:
+        token = choose(node, emitted)
+        emitted.append(token)
+        child = children[node].get(token)
+        if child is None:
+            return accepted, emitted
         accepted.append(child)
         node = child
-    emitted = [tree.tokens[i - 1] for i in accepted]
-    emitted.append(choices[node])
-    return accepted, emitted
+
+
+def accept_greedy(tree: DraftTree, choices: list[int]) -> tuple[list[int], list[int]]:
+    """`accept` with the model's choices for every block index known up front (`choices[i]`)."""
+    return accept(tree, lambda node, _path: choices[node])

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from ..cli import sampling_options
 from ..config import LookaheadConfig
 from .datasets import DATASETS, load_prompts
 from .replay import load_records, record, replay, summarize_replay, sweep_configs
@@ -42,6 +43,8 @@ def validate(args: argparse.Namespace) -> tuple[list[str], list[str], dict]:
     if unknown:
         raise ValueError(f"unknown method {','.join(unknown)}: choose from {', '.join(BUILTIN_METHODS)}")
     methods = list(dict.fromkeys(["plain", *methods, *variants]))
+    if getattr(args, "temperature", 0) and (hf := [m for m in methods if m.startswith("hf-")]):
+        raise ValueError(f"{', '.join(hf)} run greedy only here: leave them out when sampling")
     if args.limit < 1:
         raise ValueError(f"--limit must be at least 1, got {args.limit}")
     for target in [Path(args.out) / "results.json", *([Path(args.json)] if args.json else [])]:
@@ -62,7 +65,7 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     torch.set_num_threads(args.threads)
     console = Console(stderr=True)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
-    bench = Bench(model, tokenizer, methods, variants, args.max_new_tokens)
+    bench = Bench(model, tokenizer, methods, variants, args.max_new_tokens, sampling_options(args))
     bench.warm_up(prompts[0])
     samples = []
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()]
@@ -80,6 +83,7 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
         "model": model_name,
         "command": "lookahead " + shlex.join(argv),
         "settings": {"max_new_tokens": args.max_new_tokens, "limit": args.limit, "dtype": args.dtype,
+                     "sampling": sampling_options(args) or "greedy",
                      "datasets": datasets, "methods": methods,
                      "configs": {name: cfg.__dict__ for name, cfg in variants.items()},
                      "lookahead": bench.engines["lookahead"].config.__dict__,

@@ -77,20 +77,26 @@ def replay_one(
 
 def replay(records: Iterable[dict], header: dict, config: LookaheadConfig) -> dict[str, ReplayStats]:
     """All records in order with one trie (state carries across requests, as in a server)."""
-    trie = TokenTrie(config.ngram_length, boundary_ids=header["eos_ids"])
+    trie = TokenTrie(config.ngram_length, header["eos_ids"], config.trie_max_nodes, config.trie_half_life)
     policy = DraftPolicy(CostModel(header["cost_ms"]) if config.policy == "adaptive" else None)
     by_dataset: dict[str, ReplayStats] = {}
     for record in records:
-        stats = by_dataset.setdefault(record["dataset"], ReplayStats())
-        session = DraftSession(trie, config, record["prompt_ids"], policy)
-        try:
-            replay_one(
-                session, record["prompt_ids"], record["output_ids"], header["max_new_tokens"],
-                header["draft_mode"] == "tree", stats,
-            )  # fmt: skip
-        finally:
-            session.close()
+        replay_record(trie, policy, config, header, record, by_dataset.setdefault(record["dataset"], ReplayStats()))
     return by_dataset
+
+
+def replay_record(
+    trie: TokenTrie, policy: DraftPolicy, config: LookaheadConfig, header: dict, record: dict, stats: ReplayStats
+) -> None:
+    """One recorded request drafted from `trie`, its steps added to `stats`."""
+    session = DraftSession(trie, config, record["prompt_ids"], policy)
+    try:
+        replay_one(
+            session, record["prompt_ids"], record["output_ids"], header["max_new_tokens"],
+            header["draft_mode"] == "tree", stats,
+        )  # fmt: skip
+    finally:
+        session.close()
 
 
 def predicted_seconds(stats: ReplayStats, cost_ms: dict) -> float:

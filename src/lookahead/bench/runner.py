@@ -8,6 +8,7 @@ prompts as it would in a server. Every method's tokens are compared with `plain`
 from __future__ import annotations
 
 import time
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -63,9 +64,11 @@ class Bench:
         methods: list[str],
         variants: dict[str, LookaheadConfig],
         max_new_tokens: int,
+        sampling: dict | None = None,
     ) -> None:
         self.model = model
         self.max_new_tokens = max_new_tokens
+        self.sampling = sampling or {}
         base = LookaheadEngine(model, tokenizer)
         self.engines = {"plain": base, "lookahead": base}
         self.engines.update({name: LookaheadEngine(model, tokenizer, cfg) for name, cfg in variants.items()})
@@ -77,8 +80,10 @@ class Bench:
         if method.startswith("hf-"):
             return self._run_hf(method, prompt, ids, limit)
         engine = self.engines[method]
+        # Sampling: one seed per prompt, the same for every method, so outputs stay comparable.
+        options = {**self.sampling, "seed": zlib.crc32(prompt.key.encode())} if self.sampling else {}
         clock = time.perf_counter()
-        out = engine.generate(ids, max_new_tokens=limit, use_lookahead=method != "plain")
+        out = engine.generate(ids, max_new_tokens=limit, use_lookahead=method != "plain", **options)
         seconds = time.perf_counter() - clock
         stats = out.stats
         return Sample(

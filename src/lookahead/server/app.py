@@ -1,0 +1,137 @@
+"""The FastAPI app: OpenAI-compatible routes over one engine, one shared trie and one fair queue.
+
+Each generation request is checked and turned into a plan, queued, and answered from the
+worker's text deltas, as one JSON body or as server-sent events. A watcher per request hears
+the client leave and cancels its job, so a dropped client frees the model at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from ..engine import LookaheadEngine
+from . import errors
+from .errors import APIError
+from .exchange import Exchange
+from .generation import Plan, plan_chat, plan_completion
+from .guard import LimitBody, RequireApiKey
+from .metrics import CountRequests, Metrics
+from .persistence import TrieSaver
+from .scheduler import QueueFull, Scheduler
+from .schemas import ChatRequest, CompletionRequest, GenerationRequest, Reply
+
+ROUTES = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_name: str
+    """The name clients pass as `model`; any other name is a 404."""
+    api_key: str | None = None
+    max_queue: int = 32
+    """Requests that may wait behind the running one; more are answered 503 with Retry-After."""
+    trie_path: str | None = None
+    save_every_s: float = 600.0
+    max_body_bytes: int = 2 * 1024 * 1024
+
+
+def create_app(engine: LookaheadEngine, settings: ServerSettings) -> FastAPI:
+    """An app serving `engine`; its lifespan starts the worker and keeps the trie file."""
+    scheduler = Scheduler(settings.max_queue)
+    metrics = Metrics(engine, scheduler)
+    scheduler.on_finish = metrics.finished
+    saver = None
+    if settings.trie_path:
+        saver = TrieSaver(
+            engine.trie,
+            settings.trie_path,
+            settings.save_every_s,
+            lambda: scheduler.completed,
+            lambda result: metrics.trie_saves.labels(result).inc(),
+        )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        scheduler.start()
+        periodic = asyncio.create_task(saver.run()) if saver else None
+        try:
+            yield
+        finally:
+            if periodic:
+                periodic.cancel()
+            await asyncio.to_thread(scheduler.close)
+            if saver:
+                await asyncio.to_thread(saver.save)
+
+    app = FastAPI(title="Lookahead", lifespan=lifespan, docs_url=None, redoc_url=None)
+    errors.install(app)
+    app.add_middleware(LimitBody, limit=settings.max_body_bytes)
+    if settings.api_key:
+        app.add_middleware(RequireApiKey, key=settings.api_key)
+    app.add_middleware(CountRequests, metrics=metrics, routes=ROUTES)
+    started = int(time.time())
+    card = {"id": settings.model_name, "object": "model", "created": started, "owned_by": "lookahead"}
+
+    def check_model(name: str) -> None:
+        if name != settings.model_name:
+            message = f"the model {name!r} does not exist; this server serves {settings.model_name!r}"
+            raise APIError(404, message, "model", "model_not_found")
+
+    async def answer(request: Request, body: GenerationRequest, plan: Plan, reply: Reply, label: str) -> Response:
+        try:
+            job = scheduler.submit(plan.starter(engine), label)
+        except QueueFull as full:
+            message = f"the server is busy ({scheduler.waiting} requests waiting); retry later"
+            raise APIError(503, message, code="queue_full", headers={"Retry-After": str(full.retry_after)}) from None
+        metrics.prompt_tokens.inc(len(plan.prompt_ids))
+        exchange = Exchange(request, job, plan, reply)
+        first = await exchange.first()
+        if not body.stream:
+            return JSONResponse(await exchange.whole())
+        events = exchange.events(first, body.include_usage)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {
+            "status": "ok",
+            "model": settings.model_name,
+            "queue_length": scheduler.waiting,
+            "busy": scheduler.busy,
+            "trie_nodes": len(engine.trie),
+        }
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict:
+        check_model(name)
+        return card
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        plan = plan_completion(engine, body)
+        return await answer(request, body, plan, Reply(chat=False, model=settings.model_name), "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request) -> Response:
+        check_model(body.model)
+        plan = plan_chat(engine, body)
+        return await answer(request, body, plan, Reply(chat=True, model=settings.model_name), "chat")
+
+    return app

@@ -1,0 +1,96 @@
+"""One request's exchange with its queued job: one JSON answer, or the answer as server-sent events.
+
+A watcher listens for the client to hang up and cancels the job, whether it is still queued or
+already generating; however the exchange ends, the job is cancelled (harmless once finished),
+so no job outlives its client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from starlette.requests import Request
+
+from .errors import APIError, error_body
+from .generation import Plan
+from .scheduler import Cancelled, Job
+from .schemas import Reply, sse, usage
+
+log = logging.getLogger("lookahead.server")
+T = TypeVar("T")
+
+
+def failure(err: Exception) -> APIError:
+    """The error status for a generation that ended without an answer."""
+    if isinstance(err, Cancelled):
+        return APIError(503, "the request was cancelled: the server is stopping", code="cancelled")
+    if isinstance(err, ValueError):
+        return APIError(400, str(err), code="invalid_value")
+    log.error("generation failed", exc_info=err)
+    return APIError(500, "internal server error; see the server log")
+
+
+async def _cancel_on_disconnect(request: Request, job: Job) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancel()
+
+
+class Exchange:
+    def __init__(self, request: Request, job: Job, plan: Plan, reply: Reply) -> None:
+        self.job, self.plan, self.reply = job, plan, reply
+        self._watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
+        self._deltas = job.deltas()
+
+    def close(self) -> None:
+        self._watcher.cancel()
+        self.job.cancel()
+
+    def usage(self) -> dict[str, int]:
+        return usage(len(self.plan.prompt_ids), len(self.job.output.token_ids))
+
+    async def first(self) -> str | None:
+        """The first text delta (None if the answer is empty); an error here still gets its status code."""
+        return await self._next_or_fail(anext(self._deltas, None))
+
+    async def whole(self) -> dict:
+        """The rest of the answer, as one response body."""
+
+        async def drain() -> None:
+            async for _ in self._deltas:
+                pass
+
+        await self._next_or_fail(drain())
+        self.close()
+        output = self.job.output
+        return self.reply.full(output.text, output.finish_reason, self.usage())
+
+    async def events(self, first: str | None, include_usage: bool) -> AsyncIterator[str]:
+        """The answer as OpenAI stream chunks, ending with `[DONE]`; an error after the headers is an event."""
+        try:
+            yield sse(self.reply.chunk(first, first=True))
+            async for delta in self._deltas:
+                yield sse(self.reply.chunk(delta))
+            yield sse(self.reply.chunk(finish_reason=self.job.output.finish_reason))
+            if include_usage:
+                yield sse(self.reply.usage_chunk(self.usage()))
+            yield sse("[DONE]")
+        except Cancelled:
+            return
+        except Exception as err:
+            error = failure(err)
+            yield sse(error_body(error.status, error.message, error.param, error.code))
+        finally:
+            self.close()
+
+    async def _next_or_fail(self, step: Awaitable[T]) -> T:
+        try:
+            return await step
+        except BaseException as err:
+            self.close()
+            if isinstance(err, Exception):
+                raise failure(err) from None
+            raise

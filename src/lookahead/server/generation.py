@@ -1,0 +1,90 @@
+"""From a validated OpenAI request to an engine call: prompt ids, token budget, decoding options.
+
+Whatever can be wrong with a request's content is found here, before it queues: a request that
+waited for its turn must not then fail on its input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from jinja2 import TemplateError
+
+from ..engine import LookaheadEngine
+from .errors import APIError
+from .schemas import ChatRequest, CompletionRequest, GenerationRequest
+
+COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+FALLBACK_CONTEXT = 2048  # for a model that does not state its context length
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One generation, ready to queue."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def starter(self, engine: LookaheadEngine) -> Callable[[], Iterable[str]]:
+        """What the worker calls when the request's turn comes: the engine's stream of text deltas."""
+        return lambda: engine.stream(self.prompt_ids, max_new_tokens=self.max_tokens, **self.options)
+
+
+def plan_completion(engine: LookaheadEngine, request: CompletionRequest) -> Plan:
+    try:
+        ids = engine.encode(request.prompt)
+    except ValueError as err:
+        raise APIError(400, f"prompt: {err}", "prompt", "invalid_value") from err
+    return _plan(engine, ids, request.max_tokens or COMPLETION_DEFAULT_TOKENS, request, "prompt", "max_tokens")
+
+
+def plan_chat(engine: LookaheadEngine, request: ChatRequest) -> Plan:
+    try:
+        ids = engine.chat_ids([message.for_template() for message in request.messages])
+    except (ValueError, TemplateError) as err:
+        raise APIError(400, f"messages: {err}", "messages", "invalid_value") from err
+    limit_param = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
+    return _plan(engine, ids, request.token_limit, request, "messages", limit_param)
+
+
+def _plan(
+    engine: LookaheadEngine,
+    ids: list[int],
+    max_tokens: int | None,
+    request: GenerationRequest,
+    prompt_param: str,
+    limit_param: str,
+) -> Plan:
+    context = engine.max_positions or FALLBACK_CONTEXT
+    if len(ids) >= context:
+        message = f"the prompt is {len(ids)} tokens long; this model's context is {context} tokens"
+        raise APIError(400, message, prompt_param, "context_length_exceeded")
+    max_tokens = max_tokens or context - len(ids)
+    if len(ids) + max_tokens > context:
+        message = (
+            f"{limit_param} ({max_tokens}) + the prompt ({len(ids)} tokens) exceeds this model's context of "
+            f"{context} tokens; at most {context - len(ids)} new tokens fit"
+        )
+        raise APIError(400, message, limit_param, "context_length_exceeded")
+    return Plan(ids, max_tokens, engine_options(request))
+
+
+def engine_options(request: GenerationRequest) -> dict[str, Any]:
+    """Keyword arguments for the engine; greedy requests pass none (temperature 0 means greedy).
+
+    OpenAI's default temperature is 1, so a request that does not set it samples, as it would there.
+    """
+    options: dict[str, Any] = {}
+    temperature = 1.0 if request.temperature is None else request.temperature
+    if temperature > 0:
+        options.update(do_sample=True, temperature=temperature)
+        if request.top_p is not None:
+            options["top_p"] = request.top_p
+        if request.seed is not None:
+            options["seed"] = request.seed
+    if request.stop:
+        options["stop"] = request.stop
+    return options

@@ -1,0 +1,101 @@
+"""Prometheus metrics of one server: traffic, tokens, forward passes, the trie, the queue, latency.
+
+Each app has its own registry (several apps in one process, as in tests, do not clash); the
+process collector adds resident memory and CPU time, which the load check reads to see that
+memory stays flat.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..engine import LookaheadEngine
+from .scheduler import Job, Scheduler
+
+_LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300)
+
+
+class Metrics:
+    def __init__(self, engine: LookaheadEngine, scheduler: Scheduler) -> None:
+        self.registry = registry = CollectorRegistry()
+        ProcessCollector(registry=registry)
+        self.http = Counter(
+            "lookahead_http_requests", "HTTP requests by route and status", ["route", "status"], registry=registry
+        )
+        self.generations = Counter(
+            "lookahead_generations",
+            "Generations by endpoint and outcome (finish reason, cancelled or error)",
+            ["endpoint", "outcome"],
+            registry=registry,
+        )
+        self.prompt_tokens = Counter("lookahead_prompt_tokens", "Prompt tokens of accepted requests", registry=registry)
+        self.tokens = Counter("lookahead_generated_tokens", "New tokens generated", registry=registry)
+        self.steps = Counter("lookahead_forward_steps", "Forward passes after prefill", registry=registry)
+        self.tokens_per_step = Histogram(
+            "lookahead_tokens_per_step",
+            "New tokens per forward pass, per generation",
+            buckets=(1, 1.25, 1.5, 1.75, 2, 2.5, 3, 4, 6, 8, 12),
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "lookahead_request_latency_seconds",
+            "Arrival to last token, queueing included",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.queue_wait = Histogram(
+            "lookahead_queue_wait_seconds",
+            "Arrival to the start of generation",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.trie_saves = Counter(
+            "lookahead_trie_saves", "Saves of the trie file by result", ["result"], registry=registry
+        )
+        Gauge("lookahead_queue_length", "Requests waiting for the model", registry=registry).set_function(
+            lambda: scheduler.waiting
+        )
+        Gauge("lookahead_busy", "1 while a generation runs", registry=registry).set_function(
+            lambda: float(scheduler.busy)
+        )
+        Gauge("lookahead_trie_nodes", "Nodes in the shared trie", registry=registry).set_function(
+            lambda: len(engine.trie)
+        )
+
+    def finished(self, job: Job) -> None:
+        """Record one ended job (called once per job, from the scheduler)."""
+        self.generations.labels(job.label, job.outcome).inc()
+        if job.finished is not None:
+            self.latency.labels(job.label).observe(job.finished - job.submitted)
+        if job.started is not None:
+            self.queue_wait.observe(job.started - job.submitted)
+        if job.output is not None:
+            stats = job.output.stats
+            self.tokens.inc(stats.new_tokens)
+            self.steps.inc(stats.steps)
+            self.tokens_per_step.observe(stats.edl)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class CountRequests:
+    """ASGI middleware counting every response by route and status (unknown paths as 'other')."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: set[str]) -> None:
+        self.app, self.metrics, self.routes = app, metrics, routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in self.routes else "other"
+
+        async def counting(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.http.labels(route, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting)

@@ -1,0 +1,184 @@
+"""The OpenAI wire format: validated request bodies in, response and stream-chunk bodies out.
+
+Requests are checked strictly (a string is not a number) so that a wrong type is a 400 naming
+the parameter, not a guess; fields this server does not know are ignored, as OpenAI's own
+clients send more than any one server uses. Options it knows but cannot honour (several
+choices, log-probabilities, penalties) are refused by name rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+
+def _neutral(*allowed: Any, why: str):
+    """A validator that lets only the given settings through (None always: the field was left out)."""
+
+    def check(value: Any) -> Any:
+        if value is not None and value not in allowed:
+            raise ValueError(f"not supported by this server ({why})")
+        return value
+
+    return AfterValidator(check)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class GenerationRequest(_Strict):
+    """What /v1/completions and /v1/chat/completions share."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = None
+    stop: list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int | None, _neutral(1, why="one choice per request")] = None
+    presence_penalty: Annotated[float | None, _neutral(0, why="penalties are not applied")] = None
+    frequency_penalty: Annotated[float | None, _neutral(0, why="penalties are not applied")] = None
+    logit_bias: Annotated[dict[str, float] | None, _neutral({}, why="logit bias is not applied")] = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, value: Any) -> Any:
+        value = [value] if isinstance(value, str) else value
+        if isinstance(value, list):
+            if len(value) > 4:
+                raise ValueError("at most 4 stop sequences")
+            if any(isinstance(s, str) and not s for s in value):
+                raise ValueError("a stop sequence must not be empty")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _one_prompt(value: Any) -> Any:
+    """A string or a list of token ids; OpenAI's list-of-one forms are unwrapped."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return value
+    if isinstance(value, list) and all(isinstance(p, str | list) for p in value):
+        raise ValueError("several prompts in one request are not supported: send one prompt per request")
+    raise ValueError("must be a string or a list of token ids")
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: Annotated[str | list[int], Field(union_mode="left_to_right")]
+    echo: Annotated[bool | None, _neutral(False, why="the prompt is not echoed")] = None
+    best_of: Annotated[int | None, _neutral(1, why="one candidate per request")] = None
+    logprobs: Annotated[int | None, _neutral(0, why="log-probabilities are not returned")] = None
+    suffix: Annotated[str | None, _neutral("", why="insertion is not supported")] = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, value: Any) -> Any:
+        return _one_prompt(value)
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str = ""
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text(cls, value: Any) -> Any:
+        """Plain text, or OpenAI's list of content parts when every part is text."""
+        if value is None:
+            return ""
+        if isinstance(value, list):
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in value
+            ):
+                raise ValueError("only text content is supported (a string, or parts of type 'text')")
+            return "".join(p["text"] for p in value)
+        return value
+
+    def for_template(self) -> dict[str, str]:
+        """Chat templates know 'system'; OpenAI's newer 'developer' role means the same."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+
+
+class ChatRequest(GenerationRequest):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: Annotated[bool | None, _neutral(False, why="log-probabilities are not returned")] = None
+    tools: Annotated[list | None, _neutral([], why="tool calls are not supported")] = None
+
+    @property
+    def token_limit(self) -> int | None:
+        """`max_completion_tokens` is the newer name of `max_tokens`; either may be sent."""
+        return self.max_completion_tokens or self.max_tokens
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def sse(body: dict | str) -> str:
+    """One server-sent event; the stream ends with the plain `[DONE]` marker."""
+    return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
+
+
+@dataclass
+class Reply:
+    """The id, time and model every body of one response repeats, and the shape for its endpoint."""
+
+    chat: bool
+    model: str
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+    def _envelope(self, kind: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def full(self, text: str, finish_reason: str, counts: dict[str, int]) -> dict:
+        """The whole answer of a non-streaming request."""
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+            body = self._envelope("chat.completion", [{**choice, "logprobs": None, "finish_reason": finish_reason}])
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            body = self._envelope("text_completion", [choice])
+        return {**body, "usage": counts}
+
+    def chunk(self, text: str | None = None, finish_reason: str | None = None, first: bool = False) -> dict:
+        """One stream chunk: a text delta, or (with `finish_reason`) the closing one."""
+        if not self.chat:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            return self._envelope("text_completion", [choice])
+        delta: dict[str, str] = {"role": "assistant", "content": ""} if first else {}
+        if text:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope("chat.completion.chunk", [choice])
+
+    def usage_chunk(self, counts: dict[str, int]) -> dict:
+        """The extra last chunk OpenAI sends when `stream_options.include_usage` is set."""
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
+        return {**body, "usage": counts}

@@ -1,0 +1,202 @@
+"""Sampling is lossless: proven exactly on a hand-made tree, and statistically through the engine."""
+
+import math
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from tiny_models import tiny_model
+
+import lookahead.engine
+from lookahead import LookaheadConfig, LookaheadEngine
+from lookahead.draft import DraftTree
+from lookahead.sampling import SamplingParams, TokenChooser
+from lookahead.verify import accept
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = 4
+# root r; under it 0 and 1; 0 → 2 → 3; 1 → 1. Paths r-0-2-3, r-1-1.
+TREE = DraftTree(tokens=[0, 1, 2, 1, 3], parents=[0, 0, 1, 2, 3])
+
+
+def target(prefix: tuple[int, ...]) -> list[float]:
+    """A fixed next-token distribution for every prefix (any positive numbers would do)."""
+    weights = [1 + ((7 * sum(prefix) + 3 * len(prefix) + 5 * t) % 5) for t in range(VOCAB)]
+    return [w / sum(weights) for w in weights]
+
+
+class _NeedDraw(Exception):
+    def __init__(self, path: list[int]) -> None:
+        self.path = path
+
+
+def outcome_distribution(verifier, tree: DraftTree) -> dict[tuple[int, ...], float]:
+    """Probability of every emitted sequence when each choice is a draw from `target`.
+
+    Explores every sequence of draws: the verifier is rerun with a script of the draws so far
+    and stops at the first draw not yet scripted, which then branches over all tokens.
+    """
+    result: dict[tuple[int, ...], float] = {}
+
+    def explore(script: list[int], probability: float) -> None:
+        calls = iter(script)
+
+        def choose(node: int, path: list[int]) -> int:
+            token = next(calls, None)
+            if token is None:
+                raise _NeedDraw(list(path))
+            return token
+
+        try:
+            _, emitted = verifier(tree, choose)
+        except _NeedDraw as need:
+            for token, p in enumerate(target(tuple(need.path))):
+                explore([*script, token], probability * p)
+            return
+        key = tuple(emitted)
+        result[key] = result.get(key, 0.0) + probability
+
+    explore([], 1.0)
+    return result
+
+
+def autoregressive(sequence: tuple[int, ...]) -> float:
+    return math.prod(target(sequence[:i])[token] for i, token in enumerate(sequence))
+
+
+def accept_every_draft(tree: DraftTree, choose):
+    """A wrong verifier: follows the first branch whatever the model says, then draws a bonus token."""
+    children = tree.children()
+    node, accepted, emitted = 0, [], []
+    while children[node]:
+        node = next(iter(children[node].values()))
+        accepted.append(node)
+        emitted.append(tree.tokens[node - 1])
+    emitted.append(choose(node, list(emitted)))
+    return accepted, emitted
+
+
+def test_sample_then_match_emits_exactly_the_target_distribution():
+    outcomes = outcome_distribution(accept, TREE)
+    assert math.isclose(sum(outcomes.values()), 1.0, abs_tol=1e-12)
+    assert any(len(seq) == 4 for seq in outcomes), "the deepest path must be reachable"
+    for sequence, probability in outcomes.items():
+        assert math.isclose(probability, autoregressive(sequence), rel_tol=1e-9), sequence
+
+
+def test_the_exact_check_catches_a_wrong_verifier():
+    outcomes = outcome_distribution(accept_every_draft, TREE)
+    assert any(not math.isclose(p, autoregressive(s), rel_tol=1e-3) for s, p in outcomes.items())
+
+
+def test_chooser_draws_follow_the_processed_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -30.0])
+    params = SamplingParams(do_sample=True, temperature=0.8, top_k=3)
+    chooser = TokenChooser(params.processors(), True, seed=0)
+    draws = [chooser.choose(logits, [1]) for _ in range(20_000)]
+    counts = [draws.count(t) for t in range(5)]
+    assert counts[3] == counts[4] == 0, "top_k=3 keeps three tokens"
+    kept = torch.softmax(logits[:3].double() / 0.8, -1).tolist()
+    assert chisquare(counts[:3], [p * len(draws) for p in kept]).pvalue > 1e-3
+
+
+def test_greedy_with_repetition_penalty_sees_each_nodes_own_prefix():
+    params = SamplingParams(repetition_penalty=2.0)
+    chooser = TokenChooser(params.processors(), False, seed=None)
+    logits = torch.tensor([1.0, 1.5, 0.2])
+    assert chooser.choose(logits, [0]) == 1
+    assert chooser.choose(logits, [1]) == 0  # 1.5 / 2 < 1.0
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("min_p", 1.5), ("min_p", -0.1),
+     ("repetition_penalty", 0.0), ("temperature", float("nan")), ("seed", "seven")],
+)  # fmt: skip
+def test_bad_sampling_settings_name_the_argument(option, value):
+    with pytest.raises(ValueError, match=option):
+        SamplingParams(do_sample=True, **{option: value})
+
+
+# ---- through the engine: a tiny model with a 16-token vocabulary --------------------------------
+
+PROMPT = [3, 4, 5, 6, 7] * 3
+DRAWS = 20_000
+
+
+@pytest.fixture(scope="module")
+def tiny_engine():
+    model = tiny_model("llama", vocab_size=16, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    model.generation_config.eos_token_id = None
+    engine = LookaheadEngine(model, None, LookaheadConfig(decoding_length=8, branch_length=3, policy="fixed"))
+    assert engine.draft_mode == "tree"
+    return engine
+
+
+def exact_three_token_distribution(model, temperature: float) -> dict[tuple[int, ...], float]:
+    """P(a, b, c | PROMPT) from the model's own forward passes, one prefix at a time."""
+    probabilities: dict[tuple[int, ...], float] = {(): 1.0}
+    with torch.inference_mode():
+        for _ in range(3):
+            grown = {}
+            for prefix, p in probabilities.items():
+                logits = model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1].double()
+                step = torch.softmax(logits / temperature, -1).tolist()
+                grown.update({(*prefix, t): p * q for t, q in enumerate(step)})
+            probabilities = grown
+    return probabilities
+
+
+def goodness_of_fit(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...], float]) -> float:
+    """Chi-square p-value of the samples against the exact law, rare sequences pooled into one cell."""
+    count = len(samples)
+    common = sorted(seq for seq, p in exact.items() if p * count >= 5)
+    observed = dict.fromkeys(common, 0)
+    rest = 0
+    for seq in samples:
+        if seq in observed:
+            observed[seq] += 1
+        else:
+            rest += 1
+    expected = [exact[seq] * count for seq in common] + [count - sum(exact[seq] * count for seq in common)]
+    return chisquare([*observed.values(), rest], expected).pvalue
+
+
+def draw(engine, seeds, use_lookahead=True) -> tuple[list[tuple[int, ...]], int]:
+    samples, accepted = [], 0
+    for seed in seeds:
+        out = engine.generate(PROMPT, 3, use_lookahead, do_sample=True, temperature=0.9, seed=seed)
+        samples.append(tuple(out.token_ids))
+        accepted += sum(n * steps for n, steps in out.stats.accepted_histogram.items())
+    return samples, accepted
+
+
+@pytest.mark.slow
+def test_lookahead_sampling_matches_the_models_distribution(tiny_engine, monkeypatch):
+    exact = exact_three_token_distribution(tiny_engine.model, 0.9)
+    draw(tiny_engine, range(10**6, 10**6 + 300))  # warm the trie so that drafts are offered
+    samples, accepted = draw(tiny_engine, range(DRAWS))
+    assert accepted > DRAWS // 10, "drafts were rarely accepted: the test would not exercise verification"
+    assert goodness_of_fit(samples, exact) > 1e-3
+    plain, _ = draw(tiny_engine, range(DRAWS, 2 * DRAWS), use_lookahead=False)
+    assert goodness_of_fit(plain, exact) > 1e-3
+
+    monkeypatch.setattr(lookahead.engine, "accept", accept_every_draft)
+    wrong, _ = draw(tiny_engine, range(2 * DRAWS, 2 * DRAWS + 2_000))
+    assert goodness_of_fit(wrong, exact) < 1e-3, "the test must catch a verifier that accepts every draft"
+
+
+def test_a_seed_gives_the_same_output_whatever_ran_before(tiny_engine):
+    first = tiny_engine.generate(PROMPT, 12, do_sample=True, temperature=0.9, seed=7).token_ids
+    for seed in range(20):  # the trie learns from these, so later drafts differ
+        tiny_engine.generate(PROMPT, 12, do_sample=True, seed=seed)
+    assert tiny_engine.generate(PROMPT, 12, do_sample=True, temperature=0.9, seed=7).token_ids == first
+    assert tiny_engine.generate(PROMPT, 12, False, do_sample=True, temperature=0.9, seed=7).token_ids == first
+    outputs = {tuple(tiny_engine.generate(PROMPT, 12, do_sample=True, seed=s).token_ids) for s in range(8)}
+    assert len(outputs) > 1, "different seeds must be able to give different outputs"
+
+
+def test_temperature_zero_is_greedy(tiny_engine):
+    greedy = tiny_engine.generate(PROMPT, 10, use_lookahead=False).token_ids
+    assert tiny_engine.generate(PROMPT, 10, do_sample=True, temperature=0.0, seed=3).token_ids == greedy

@@ -1,0 +1,418 @@
+"""The OpenAI-compatible server as clients see it: a real uvicorn server on 127.0.0.1, the official
+`openai` client (and raw HTTP where the client would refuse to send), outputs compared exactly
+with the engine's own output and with the model's `generate()`."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from conftest import hf_greedy
+from prometheus_client.parser import text_string_to_metric_families
+from serving import running
+
+from lookahead import LookaheadEngine
+from lookahead.server import ServerSettings, create_app
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+TOKENS = 24
+LONG_PROMPT = "1, 2, 3, 4, 5, 6, 7, 8,"  # the model keeps counting for hundreds of tokens
+
+
+@pytest.fixture(scope="module")
+def engine(default_model):
+    return LookaheadEngine(*default_model)
+
+
+@pytest.fixture(scope="module")
+def url(engine):
+    with running(create_app(engine, ServerSettings(MODEL))) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """One sample of the server's /metrics (0 when absent)."""
+    text = httpx.get(f"{url}/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def wait_for(condition, what: str, timeout: float = 60.0) -> None:
+    """Poll until `condition()` holds; the deadline only keeps a broken server from hanging the run."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def stream_text(chunks) -> tuple[str, str | None, object]:
+    """Joined text, finish reason and usage of a streamed completion or chat completion."""
+    text, finish, usage = [], None, None
+    for chunk in chunks:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text.append(choice.text if chunk.object == "text_completion" else choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    return "".join(text), finish, usage
+
+
+# ---- answers ----------------------------------------------------------------------------
+
+
+def test_models_health_and_metrics(client, url):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    health = httpx.get(f"{url}/health").json()
+    assert health["status"] == "ok" and health["model"] == MODEL
+    response = httpx.get(f"{url}/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    for name in (
+        "lookahead_queue_length",
+        "lookahead_trie_nodes",
+        "lookahead_request_latency_seconds",
+        "lookahead_tokens_per_step",
+        "lookahead_forward_steps_total",
+        "process_resident_memory_bytes",
+    ):
+        assert name in response.text
+
+
+def test_completion_equals_engine_and_model_generate(client, engine, default_model):
+    model, tokenizer = default_model
+    prompt = "def fibonacci(n):"
+    ids = engine.encode(prompt)
+    expected = engine.generate(prompt, TOKENS)
+    assert expected.text == tokenizer.decode(hf_greedy(model, ids, TOKENS), skip_special_tokens=True)
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=TOKENS, temperature=0)
+    assert reply.object == "text_completion" and reply.model == MODEL
+    assert reply.choices[0].text == expected.text
+    assert reply.choices[0].finish_reason == expected.finish_reason
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(ids), len(expected.token_ids))
+    assert reply.usage.total_tokens == len(ids) + len(expected.token_ids)
+
+
+def test_chat_equals_engine_and_model_generate(client, engine, default_model):
+    model, tokenizer = default_model
+    messages = [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Name three prime numbers."},
+    ]
+    ids = engine.chat_ids(messages)
+    expected = engine.chat(messages, 32)
+    assert expected.text == tokenizer.decode(hf_greedy(model, ids, 32), skip_special_tokens=True)
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32, temperature=0)
+    assert reply.object == "chat.completion"
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == expected.text
+    assert reply.choices[0].finish_reason == expected.finish_reason
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(ids), len(expected.token_ids))
+
+
+def test_stream_equals_non_stream_equals_engine(client, engine):
+    prompt = "Write a Python function that reverses a string."
+    messages = [{"role": "user", "content": prompt}]
+    expected_chat, expected_text = engine.chat(messages, TOKENS), engine.generate(prompt, TOKENS)
+    common = {"model": MODEL, "max_tokens": TOKENS, "temperature": 0}
+    chat = client.chat.completions.create(messages=messages, **common)
+    chat_stream = client.chat.completions.create(
+        messages=messages, stream=True, stream_options={"include_usage": True}, **common
+    )
+    completion = client.completions.create(prompt=prompt, **common)
+    completion_stream = client.completions.create(
+        prompt=prompt, stream=True, stream_options={"include_usage": True}, **common
+    )
+    for whole, streamed, expected in (
+        (chat, chat_stream, expected_chat),
+        (completion, completion_stream, expected_text),
+    ):
+        text, finish, usage = stream_text(streamed)
+        body = whole.choices[0]
+        assert text == (body.message.content if whole.object == "chat.completion" else body.text) == expected.text
+        assert finish == body.finish_reason == expected.finish_reason
+        assert usage.model_dump() == whole.usage.model_dump()
+
+
+def test_stream_wire_format(url):
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in events)
+    assert events[-1] == "data: [DONE]"
+    first = json.loads(events[0][6:])
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
+    ids = {json.loads(line[6:])["id"] for line in events[:-1]}
+    assert len(ids) == 1 and ids.pop().startswith("chatcmpl-")
+
+
+def test_prompt_as_token_ids(client, engine):
+    ids = engine.encode("The capital of France is")
+    by_text = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text == engine.generate(ids, 12).text
+
+
+def test_eight_concurrent_clients_get_exact_outputs(url, engine):
+    questions = [
+        "What is a list in Python?",
+        "Give me a haiku about rain.",
+        "What is 17 times 3?",
+        "Explain recursion in one sentence.",
+    ]
+    expected = {q: engine.chat([{"role": "user", "content": q}], TOKENS).text for q in questions}
+
+    def ask(i: int) -> tuple[str, str]:
+        question = questions[i % len(questions)]
+        own = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+        call = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": question}],
+            "max_tokens": TOKENS,
+            "temperature": 0,
+        }
+        if i % 2:
+            return question, stream_text(own.chat.completions.create(stream=True, **call))[0]
+        return question, own.chat.completions.create(**call).choices[0].message.content
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(8)))
+    assert [text for _, text in answers] == [expected[q] for q, _ in answers]
+
+
+def test_sampling_with_a_seed_matches_the_engine(client, engine):
+    prompt = "Once upon a time"
+    settings = {"temperature": 0.8, "top_p": 0.95, "seed": 11}
+    expected = engine.generate(prompt, TOKENS, do_sample=True, **settings)
+    call = {"model": MODEL, "prompt": prompt, "max_tokens": TOKENS, **settings}
+    whole = client.completions.create(**call)
+    streamed, _, _ = stream_text(client.completions.create(stream=True, **call))
+    assert whole.choices[0].text == streamed == expected.text
+
+
+def test_stop_sequences_match_the_engine(client, engine):
+    prompt = "def fibonacci(n):"
+    expected = engine.generate(prompt, TOKENS, stop=["return"])
+    assert expected.finish_reason == "stop" and "return" not in expected.text
+    call = {"model": MODEL, "prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "stop": "return"}
+    whole = client.completions.create(**call)
+    streamed, finish, _ = stream_text(client.completions.create(stream=True, **call))
+    assert whole.choices[0].text == streamed == expected.text
+    assert whole.choices[0].finish_reason == finish == "stop"
+
+
+def test_unknown_fields_are_ignored(url):
+    body = {
+        "model": MODEL,
+        "prompt": "Hello",
+        "max_tokens": 2,
+        "temperature": 0,
+        "user": "u1",
+        "metadata": {"a": "b"},
+        "some_future_option": [1, 2],
+    }
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 2
+
+
+def test_metrics_count_tokens_steps_and_requests(client, url):
+    tokens = metric(url, "lookahead_generated_tokens_total")
+    steps = metric(url, "lookahead_forward_steps_total")
+    served = metric(url, "lookahead_http_requests_total", route="/v1/completions", status="200")
+    latencies = metric(url, "lookahead_request_latency_seconds_count", endpoint="completions")
+    reply = client.completions.create(model=MODEL, prompt="import numpy as np\n", max_tokens=16, temperature=0)
+    assert metric(url, "lookahead_generated_tokens_total") == tokens + reply.usage.completion_tokens
+    assert steps < metric(url, "lookahead_forward_steps_total") <= steps + reply.usage.completion_tokens
+    assert metric(url, "lookahead_http_requests_total", route="/v1/completions", status="200") == served + 1
+    assert metric(url, "lookahead_request_latency_seconds_count", endpoint="completions") == latencies + 1
+    assert metric(url, "lookahead_trie_nodes") > 0
+    assert metric(url, "lookahead_queue_length") == 0
+
+
+# ---- clients that leave, a full queue ------------------------------------------------------
+
+
+def test_client_leaving_mid_stream_frees_the_model(url, client, engine):
+    """A leaves after a few chunks of a 4000-token answer; B, queued behind it, is then served at once."""
+    cancelled = metric(url, "lookahead_generations_total", endpoint="completions", outcome="cancelled")
+    expected = engine.generate("The sky is", 8).text
+    body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 4000, "temperature": 0, "stream": True}
+    answers = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        lines = response.iter_lines()
+        for _ in range(3):
+            assert next(line for line in lines if line.startswith("data: "))
+        waiter = threading.Thread(
+            target=lambda: answers.append(
+                openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+                .completions.create(model=MODEL, prompt="The sky is", max_tokens=8, temperature=0)
+                .choices[0]
+                .text
+            )
+        )
+        waiter.start()
+        wait_for(lambda: httpx.get(f"{url}/health").json()["queue_length"] == 1, "B to queue")
+    waiter.join(90)  # had A run on, B would time out (A needs minutes) and the assertion below fails
+    assert answers == [expected]
+    assert metric(url, "lookahead_generations_total", endpoint="completions", outcome="cancelled") == cancelled + 1
+
+
+def test_full_queue_answers_503_and_a_queued_client_that_leaves_frees_its_place(engine):
+    with running(create_app(engine, ServerSettings(MODEL, max_queue=1))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 4000, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as running_stream:
+            lines = running_stream.iter_lines()  # kept: dropping the iterator would close the connection
+            assert next(lines).startswith("data: ")
+            gave_up = []
+
+            def impatient() -> None:  # waits 5 s for its first byte, then hangs up while still queued
+                try:
+                    httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 8}, timeout=5)
+                except httpx.TimeoutException:
+                    gave_up.append(True)
+
+            leaver = threading.Thread(target=impatient)
+            leaver.start()
+            wait_for(lambda: httpx.get(f"{url}/health").json()["queue_length"] == 1, "the second request to queue")
+            with pytest.raises(openai.APIStatusError) as refused:
+                client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0)
+            assert refused.value.status_code == 503
+            assert int(refused.value.response.headers["retry-after"]) >= 1
+            assert refused.value.response.json()["error"]["code"] == "queue_full"
+            leaver.join(60)
+            assert gave_up == [True]
+            wait_for(lambda: httpx.get(f"{url}/health").json()["queue_length"] == 0, "the place to be freed")
+            assert metric(url, "lookahead_generations_total", endpoint="completions", outcome="cancelled") == 1
+            assert httpx.get(f"{url}/health").json()["busy"]  # the first stream still runs
+        reply = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0)
+        assert reply.choices[0].text == engine.generate("Hi", 4).text
+
+
+# ---- bad requests -------------------------------------------------------------------------
+
+GOOD_COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
+GOOD_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+
+BAD_REQUESTS = {
+    "malformed JSON": ("/v1/completions", b'{"model": "smollm2-135m", "prompt": ', 400, None),
+    "body is not an object": ("/v1/completions", [1, 2, 3], 400, None),
+    "empty body": ("/v1/completions", b"", 400, None),
+    "missing model": ("/v1/completions", {"prompt": "Hello"}, 400, "model"),
+    "unknown model": ("/v1/completions", {**GOOD_COMPLETION, "model": "gpt-4"}, 404, "model"),
+    "missing prompt": ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    "empty prompt": ("/v1/completions", {**GOOD_COMPLETION, "prompt": ""}, 400, "prompt"),
+    "prompt of the wrong type": ("/v1/completions", {**GOOD_COMPLETION, "prompt": 42}, 400, "prompt"),
+    "several prompts": ("/v1/completions", {**GOOD_COMPLETION, "prompt": ["a", "b"]}, 400, "prompt"),
+    "token id outside the vocabulary": ("/v1/completions", {**GOOD_COMPLETION, "prompt": [1, 10**9]}, 400, "prompt"),
+    "prompt longer than the context": ("/v1/completions", {**GOOD_COMPLETION, "prompt": [42] * 9000}, 400, "prompt"),
+    "max_tokens below 1": ("/v1/completions", {**GOOD_COMPLETION, "max_tokens": 0}, 400, "max_tokens"),
+    "max_tokens as a string": ("/v1/completions", {**GOOD_COMPLETION, "max_tokens": "10"}, 400, "max_tokens"),
+    "max_tokens over the context": ("/v1/completions", {**GOOD_COMPLETION, "max_tokens": 10**6}, 400, "max_tokens"),
+    "n above 1": ("/v1/completions", {**GOOD_COMPLETION, "n": 2}, 400, "n"),
+    "best_of above 1": ("/v1/completions", {**GOOD_COMPLETION, "best_of": 3}, 400, "best_of"),
+    "echo": ("/v1/completions", {**GOOD_COMPLETION, "echo": True}, 400, "echo"),
+    "temperature above 2": ("/v1/completions", {**GOOD_COMPLETION, "temperature": 3}, 400, "temperature"),
+    "top_p of 0": ("/v1/completions", {**GOOD_COMPLETION, "top_p": 0}, 400, "top_p"),
+    "seed as a float": ("/v1/completions", {**GOOD_COMPLETION, "seed": 1.5}, 400, "seed"),
+    "five stop sequences": ("/v1/completions", {**GOOD_COMPLETION, "stop": list("abcde")}, 400, "stop"),
+    "stop of the wrong type": ("/v1/completions", {**GOOD_COMPLETION, "stop": [7]}, 400, "stop[0]"),
+    "stream as a string": ("/v1/completions", {**GOOD_COMPLETION, "stream": "yes"}, 400, "stream"),
+    "presence penalty": ("/v1/completions", {**GOOD_COMPLETION, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    "no messages": ("/v1/chat/completions", {**GOOD_CHAT, "messages": []}, 400, "messages"),
+    "unknown role": (
+        "/v1/chat/completions",
+        {**GOOD_CHAT, "messages": [{"role": "robot", "content": "x"}]},
+        400,
+        "messages[0].role",
+    ),
+    "image content": (
+        "/v1/chat/completions",
+        {
+            **GOOD_CHAT,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}],
+        },
+        400,
+        "messages[0].content",
+    ),
+    "chat n above 1": ("/v1/chat/completions", {**GOOD_CHAT, "n": 4}, 400, "n"),
+    "tools": ("/v1/chat/completions", {**GOOD_CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    "chat max tokens over the context": (
+        "/v1/chat/completions",
+        {**GOOD_CHAT, "max_completion_tokens": 10**5},
+        400,
+        "max_completion_tokens",
+    ),
+    "unknown route": ("/v1/embeddings", GOOD_COMPLETION, 404, None),
+    "body too large": ("/v1/completions", {**GOOD_COMPLETION, "prompt": "x" * (3 * 1024 * 1024)}, 413, None),
+}
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS, ids=list(BAD_REQUESTS))
+def test_bad_request_gets_its_4xx_with_an_openai_error_body(url, case):
+    path, body, status, param = BAD_REQUESTS[case]
+    if isinstance(body, bytes):
+        response = httpx.post(f"{url}{path}", content=body, headers={"content-type": "application/json"})
+    else:
+        response = httpx.post(f"{url}{path}", json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and isinstance(error["message"], str)
+    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    assert error["param"] == param
+    assert "Traceback" not in response.text
+
+
+def test_wrong_method_is_405_with_an_openai_error_body(url):
+    response = httpx.get(f"{url}/v1/completions")
+    assert response.status_code == 405
+    assert response.json()["error"]["message"]
+
+
+# ---- API key ------------------------------------------------------------------------------
+
+
+def test_api_key_required_when_set(engine):
+    with running(create_app(engine, ServerSettings(MODEL, api_key="s3cret"))) as url:
+        wrong = openai.OpenAI(base_url=f"{url}/v1", api_key="guess", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+        bare = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi"})
+        assert bare.status_code == 401 and bare.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{url}/health").status_code == 200  # probes need no key
+        right = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0, timeout=120)
+        reply = right.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
+        assert reply.choices[0].text == engine.generate("Hi", 2).text
+
+
+def test_no_api_key_needed_when_unset(url):
+    response = httpx.post(
+        f"{url}/v1/completions", json={**GOOD_COMPLETION, "max_tokens": 1, "temperature": 0}, timeout=120
+    )
+    assert response.status_code == 200
