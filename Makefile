@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint models bench bench-sampling bench-full bench-gpu replay trie-bench loadcheck
+.PHONY: setup run test lint models bench bench-sampling bench-full bench-gpu replay replay-full trie-bench loadcheck
 
 setup: $(STAMP)
 
@@ -61,6 +61,12 @@ replay: setup
 	test -f benchmarks/replay/smollm2-135m.jsonl || $(BIN)/lookahead replay --record benchmarks/replay/smollm2-135m.jsonl \
 		--datasets humaneval,gsm8k,mtbench,code-edit,creative --limit 10
 	$(BIN)/lookahead replay benchmarks/replay/smollm2-135m.jsonl --sweep --out benchmarks/replay
+
+# The same sweep on the larger model (recording about 12 minutes on 2 cores).
+replay-full: models
+	test -f benchmarks/replay-qwen/qwen2.5-coder-0.5b.jsonl || $(BIN)/lookahead replay --model qwen2.5-coder-0.5b \
+		--record benchmarks/replay-qwen/qwen2.5-coder-0.5b.jsonl --datasets humaneval,gsm8k,mtbench,code-edit,creative --limit 6
+	$(BIN)/lookahead replay benchmarks/replay-qwen/qwen2.5-coder-0.5b.jsonl --sweep --out benchmarks/replay-qwen
 
 # `lookahead serve` under load: 4 streaming clients for 120 s on loopback, every answer checked: benchmarks/server/.
 loadcheck: setup
