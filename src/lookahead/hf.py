@@ -55,14 +55,16 @@ def generate(
     prompt = input_ids[0].tolist()
     eos = generation_config.eos_token_id
     stop_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    seed = int(torch.randint(2**62, (1,)))  # from torch's global generator, so torch.manual_seed() reproduces
+    do_sample = bool(generation_config.do_sample)
+    # from torch's global generator, so torch.manual_seed() reproduces; greedy leaves it untouched, as generate() does
+    seed = int(torch.randint(2**62, (1,))) if do_sample else None
     engine = engine_for(model)
     if streamer is not None:
         streamer.put(input_ids.cpu())  # as generate() does: streamers print or skip the prompt
     out = engine.generate(
         prompt,
         generation_config.max_length - len(prompt),
-        do_sample=bool(generation_config.do_sample),
+        do_sample=do_sample,
         seed=seed,
         stop_token_ids=stop_ids,
         logits_processor=logits_processor,

@@ -84,10 +84,10 @@ class TokenChooser:
         self.processors = processors
         self.sample = sample
         self.generator = torch.Generator()  # on the CPU: the same seed draws the same numbers on any device
-        if seed is None:
-            self.generator.seed()
-        else:
+        if seed is not None:
             self.generator.manual_seed(seed)
+        elif sample:  # greedy never draws: no need to gather entropy for it
+            self.generator.seed()
 
     @property
     def plain_argmax(self) -> bool:
