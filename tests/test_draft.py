@@ -36,7 +36,15 @@ def test_positions_follow_depth():
     assert tree.position_ids(7).tolist() == [[7, 8, 8, 9]]
 
 
-def test_truncated_keeps_a_tree():
-    tree = DraftTree(tokens=[10, 11, 12], parents=[0, 0, 1], scores=[0.9, 0.5, 0.4])
-    small = tree.truncated(2)
-    assert small.tokens == [10, 11] and small.parents == [0, 0] and small.scores == [0.9, 0.5]
+def test_subtree_reindexes_and_keeps_every_column():
+    tree = DraftTree(tokens=[10, 11, 12, 13], parents=[0, 0, 1, 3], scores=[0.9, 0.5, 0.4, 0.3], sources=[4, 1, 4, 5])
+    small = tree.subtree([0, 2, 3])
+    assert small.tokens == [10, 12, 13] and small.parents == [0, 1, 2]
+    assert small.scores == [0.9, 0.4, 0.3] and small.sources == [4, 4, 5]
+    assert tree.subtree([]).tokens == []
+
+
+def test_subtree_refuses_an_orphan():
+    tree = DraftTree(tokens=[10, 11, 12], parents=[0, 1, 2])
+    with pytest.raises(ValueError, match="parent"):
+        tree.subtree([0, 2])

@@ -1,9 +1,11 @@
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lookahead.config import LookaheadConfig
 from lookahead.draft import DraftTree
-from lookahead.policy import Calibration, CostModel, DraftPolicy, DraftSession, best_prefix
+from lookahead.ngrams import OUTPUT, PROMPT
+from lookahead.policy import Calibration, CostModel, DraftPolicy, DraftSession, best_prefix, path_probabilities
 from lookahead.trie import TokenTrie
 
 FLAT = CostModel({1: 50.0, 64: 50.0})
@@ -53,15 +55,63 @@ def test_cost_model_interpolates_and_follows_drift():
     assert abs(cost.predict(5) - 36.0) < 0.5
 
 
-def test_calibration_learns_observed_acceptance():
-    calibration = Calibration()
-    assert abs(calibration.probability(0.85) - 0.85) < 1e-9
+PROMPT_CHAIN = DraftTree(tokens=[5, 6, 7], parents=[0, 1, 2], scores=[0.9, 0.9, 0.9], sources=[PROMPT] * 3)
+OUTPUT_CHAIN = DraftTree(tokens=[5, 6, 7], parents=[0, 1, 2], scores=[0.9, 0.9, 0.9], sources=[OUTPUT] * 3)
+PRIOR = Calibration.trie_prior()
+
+
+def test_calibration_starts_from_the_trie_and_learns_per_source():
+    engine = Calibration(weight=2.0)
+    before = path_probabilities(PROMPT_CHAIN, engine.rates(PRIOR))
+    assert np.allclose(before, [0.9, 0.81, 0.729])  # edge ratios 0.9, 1, 1: the top bin, midpoint 0.9
+    for _ in range(300):
+        engine.update(PROMPT_CHAIN, accepted=[1, 2, 3])  # copies from the prompt hold
+        engine.update(OUTPUT_CHAIN, accepted=[])  # the same counts from other answers do not
+    rates = engine.rates(PRIOR)
+    assert path_probabilities(PROMPT_CHAIN, rates)[-1] > 0.98
+    assert path_probabilities(OUTPUT_CHAIN, rates)[0] < 0.02
+
+
+def test_only_nodes_whose_parent_was_accepted_are_counted():
+    engine = Calibration(weight=2.0)
+    for _ in range(300):
+        engine.update(OUTPUT_CHAIN, accepted=[1])  # the first holds, the second fails, the third is never tried
+    first, second = Calibration.cells(OUTPUT_CHAIN)[:2]
+    assert engine.sent[first] == engine.sent[second] and engine.accepted[second] == 0
+    assert Calibration.cells(OUTPUT_CHAIN)[2] == second and engine.rates(PRIOR)[second] < 0.02
+
+
+def test_a_request_learns_its_own_rate_within_a_few_steps():
+    engine = Calibration(weight=2.0)
     for _ in range(500):
-        calibration.update([0.85, 0.85], accepted=[])  # the trie was over-confident
-    assert calibration.probability(0.85) < 0.05
-    for _ in range(500):
-        calibration.update([0.15], accepted=[1])  # and under-confident here
-    assert calibration.probability(0.15) > 0.95
+        engine.update(PROMPT_CHAIN, accepted=[])  # most requests do not copy their prompt
+    request = Calibration(weight=8.0)
+    for _ in range(20):
+        request.update(PROMPT_CHAIN, accepted=[1, 2, 3])  # this one does
+    assert path_probabilities(PROMPT_CHAIN, request.rates(engine.rates(PRIOR)))[0] > 0.65
+
+
+def test_old_observations_fade():
+    engine = Calibration(weight=2.0)
+    for _ in range(3000):
+        engine.update(OUTPUT_CHAIN, accepted=[])
+    assert engine.sent.max() <= Calibration.HALVE_AT
+    for _ in range(1000):
+        engine.update(OUTPUT_CHAIN, accepted=[1])  # the traffic changed
+    assert engine.rates(PRIOR)[Calibration.cells(OUTPUT_CHAIN)[0]] > 0.6
+
+
+def test_choose_sends_the_likeliest_nodes_with_their_parents():
+    # a bush: node 0 (output, doubtful) has a confident child copied from the prompt
+    tree = DraftTree(
+        tokens=[1, 2, 3, 4], parents=[0, 1, 0, 3], scores=[0.6, 0.6, 0.4, 0.4], sources=[OUTPUT, PROMPT, PROMPT, PROMPT]
+    )
+    rates = np.zeros(Calibration.CELLS)
+    cells = Calibration.cells(tree)
+    rates[cells] = [0.5, 0.95, 0.95, 0.95]  # nodes 1 and 3 share a cell
+    chosen = DraftPolicy(CostModel({1: 50.0, 3: 65.0, 5: 250.0})).choose(tree, rates)
+    assert chosen.tokens == [3, 4] and chosen.parents == [0, 1]  # the prompt chain, not the output branch
+    assert DraftPolicy(FLAT).choose(tree, rates).tokens == tree.tokens
 
 
 def test_sessions_cut_the_tree_by_policy():

@@ -1,6 +1,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lookahead.ngrams import CORPUS, OUTPUT, PROMPT
 from lookahead.trie import TokenTrie
 
 
@@ -48,6 +49,30 @@ def test_outputs_are_shared_and_learned_incrementally():
     trie.observe("a", [9])
     trie.finish("a")
     assert trie.retrieve([7], 4, 4, request="b").tokens == [8, 9]
+
+
+def test_draft_nodes_carry_where_they_were_seen():
+    trie = TokenTrie(ngram_length=4)
+    trie.insert([1, 2, 3], request="r")  # prompt
+    trie.observe("r", [1, 2, 4])  # output
+    trie.insert([1, 5])  # corpus
+    tree = trie.retrieve([1], 8, 4, request="r")
+    flags = dict(zip(_paths(tree), tree.sources, strict=True))
+    assert flags == {(2,): PROMPT | OUTPUT, (2, 3): PROMPT, (2, 4): OUTPUT, (5,): CORPUS}
+
+
+def test_a_learned_chance_reorders_the_draft():
+    trie = TokenTrie(ngram_length=4)
+    for _ in range(3):
+        trie.observe("other", [1, 2, 3])  # seen often in answers
+    trie.insert([1, 7, 8], request="r")  # once in this prompt
+    assert trie.retrieve([1], 1, 4, request="r").tokens == [2]
+
+    def prefer_prompt(flags: int, ratio: float, deep: bool) -> float:
+        return 0.9 if flags & PROMPT else 0.1
+
+    prompt_first = trie.retrieve([1], 2, 4, request="r", chance=prefer_prompt)
+    assert prompt_first.tokens == [7, 8] and prompt_first.scores == [0.25, 0.25]  # scores stay the trie's own
 
 
 def test_end_of_turn_is_a_boundary_not_an_end():

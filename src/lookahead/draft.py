@@ -6,6 +6,7 @@ draft node i sits at block index i + 1. Parents always come before their childre
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,12 +21,18 @@ class DraftTree:
     """Block index of each node's parent: 0 is the root, i + 1 is draft node i."""
     scores: list[float] = field(default_factory=list)
     """Estimated probability that the node is accepted (product along its path)."""
+    sources: list[int] = field(default_factory=list)
+    """Where each node's n-gram was seen: OR of the trie's source flags (prompt, output, corpus)."""
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
             raise ValueError("tokens and parents must have the same length")
         if not self.scores:
             self.scores = [1.0] * len(self.tokens)
+        if not self.sources:
+            self.sources = [0] * len(self.tokens)
+        if not len(self.tokens) == len(self.scores) == len(self.sources):
+            raise ValueError("every node needs one score and one source")
         for i, parent in enumerate(self.parents):
             if not 0 <= parent <= i:
                 raise ValueError(f"node {i} has parent {parent}: parents must come first")
@@ -46,9 +53,18 @@ class DraftTree:
         """True when the draft is a single path, which the ordinary causal mask already fits."""
         return all(parent == i for i, parent in enumerate(self.parents))
 
-    def truncated(self, size: int) -> DraftTree:
-        """The first `size` nodes: still a tree, since parents come first."""
-        return DraftTree(self.tokens[:size], self.parents[:size], self.scores[:size])
+    def subtree(self, keep: Sequence[int]) -> DraftTree:
+        """The nodes at indices `keep` (ascending, each with its parent kept), re-indexed."""
+        block = {0: 0}
+        for position, node in enumerate(keep, start=1):
+            block[node + 1] = position
+        try:
+            parents = [block[self.parents[node]] for node in keep]
+        except KeyError:
+            raise ValueError("a kept node's parent was not kept") from None
+        pick = [self.tokens, self.scores, self.sources]
+        tokens, scores, sources = ([column[node] for node in keep] for column in pick)
+        return DraftTree(tokens, parents, scores, sources)
 
     def children(self) -> list[dict[int, int]]:
         """Per block index, the map token -> block index of its child."""

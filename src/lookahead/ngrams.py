@@ -25,8 +25,8 @@ TOKEN_BITS = 24
 """Tokens are packed below the parent id in the index key, so ids must be below 2**24."""
 MAX_TOKEN = (1 << TOKEN_BITS) - 1
 
-OUTPUT, CORPUS = 1, 2
-"""Source flags of a node: seen in a model's output, inserted from a corpus (or both)."""
+OUTPUT, CORPUS, PROMPT = 1, 2, 4
+"""Source flags of a node: seen in a model's output, inserted from a corpus, in the request's prompt."""
 
 
 class NgramStore:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import heapq
 import math
 import threading
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from os import PathLike
 from typing import Any
 
@@ -24,7 +24,10 @@ import numpy as np
 
 from .config import DEFAULT_TRIE_HALF_LIFE, DEFAULT_TRIE_MAX_NODES
 from .draft import DraftTree
-from .ngrams import CORPUS, MAX_TOKEN, OUTPUT, NgramStore
+from .ngrams import CORPUS, MAX_TOKEN, OUTPUT, PROMPT, NgramStore
+
+EdgeChance = Callable[[int, float, bool], float]
+"""Chance a draft node is accepted once its parent is, from its source flags, count ratio and depth > 1."""
 
 KEEP_AFTER_EVICTION = 0.9
 """An eviction frees a tenth of the budget, so it runs rarely and its cost is spread thin."""
@@ -61,6 +64,14 @@ class _Feed:
             if token in boundary_ids:
                 nodes = []
         self.open_nodes = nodes
+
+
+def _source_flags(nodes: list[tuple[NgramStore, int]]) -> int:
+    """Where a pooled draft node was seen: the OR of its rows' flags in every store."""
+    flags = 0
+    for store, node in nodes:
+        flags |= store.source[node]
+    return flags
 
 
 def _check_tokens(tokens: Sequence[int]) -> None:
@@ -135,7 +146,7 @@ class TokenTrie:
         with self._lock:
             if request is not None:
                 store = self._prompts.setdefault(request, NgramStore())
-                _Feed(store, self.ngram_length, 0).push(tokens, self.boundary_ids, 1.0)
+                _Feed(store, self.ngram_length, PROMPT).push(tokens, self.boundary_ids, 1.0)
                 return
             self._learn(_Feed(self._shared, self.ngram_length, CORPUS), tokens)
 
@@ -187,25 +198,29 @@ class TokenTrie:
         match_length: int = 4,
         branching: bool = True,
         min_score: float = 0.0,
+        chance: EdgeChance | None = None,
     ) -> DraftTree:
         """Best-first draft tree below the longest matched tail of `context`.
 
         The prompt store of `request` and the shared index are searched together: a
         candidate's score is its pooled count over its parent's pooled count, times its
-        parent's score. At most `budget` nodes, `max_depth` deep; with `branching` off,
-        a single path (for models that cannot take a tree mask). The work done is bounded
-        by the budget times SCAN_CHILDREN, whatever the trie's size.
+        parent's score. Nodes are taken in order of their chance of acceptance: the score
+        itself, or the product along the path of `chance(source flags, count ratio, parent
+        is a draft node)` when the caller has learned better (the adaptive policy). At most
+        `budget` nodes, `max_depth` deep; with `branching` off, a single path (for models
+        that cannot take a tree mask). The work done is bounded by the budget times
+        SCAN_CHILDREN, whatever the trie's size.
         """
         if budget < 1 or max_depth < 1 or not context:
             return DraftTree()
         with self._lock:
-            sources = [self._shared]
+            stores = [self._shared]
             if request is not None and request in self._prompts:
-                sources.append(self._prompts[request])
-            start = self._match(context, sources, match_length)
+                stores.append(self._prompts[request])
+            start = self._match(context, stores, match_length)
             if start is None:
                 return DraftTree()
-            return self._best_first(start, budget, max_depth, branching, min_score)
+            return self._best_first(start, budget, max_depth, branching, min_score, chance)
 
     @staticmethod
     def _match(
@@ -225,16 +240,20 @@ class TokenTrie:
 
     @staticmethod
     def _best_first(
-        start: list[tuple[NgramStore, int]], budget: int, max_depth: int, branching: bool, min_score: float
-    ) -> DraftTree:
+        start: list[tuple[NgramStore, int]], budget: int, max_depth: int, branching: bool, min_score: float,
+        chance: EdgeChance | None,
+    ) -> DraftTree:  # fmt: skip
         tokens: list[int] = []
         parents: list[int] = []
         scores: list[float] = []
-        # heap entries: (-score, tie-break, token, parent block index, depth, source nodes)
-        heap: list[tuple[float, int, int, int, int, list[tuple[NgramStore, int]]]] = []
+        sources: list[int] = []
+        # heap entries: (-path chance, tie-break, token, parent block index, depth, trie score, flags, store nodes)
+        heap: list[tuple[float, int, int, int, int, float, int, list[tuple[NgramStore, int]]]] = []
         counter = 0
 
-        def push_children(nodes: list[tuple[NgramStore, int]], parent: int, score: float, depth: int) -> None:
+        def push_children(
+            nodes: list[tuple[NgramStore, int]], parent: int, path_chance: float, score: float, depth: int
+        ) -> None:
             nonlocal counter
             total = sum(store.count[node] for store, node in nodes)
             pooled: dict[int, list[tuple[NgramStore, int]]] = {}
@@ -249,20 +268,24 @@ class TokenTrie:
                     child, looked = following[child], looked + 1
             keep = budget - len(tokens) if branching else 1
             for token in heapq.nlargest(keep, weight, key=weight.__getitem__):
-                child_score = score * weight[token] / total
-                if child_score > min_score:
+                ratio = weight[token] / total
+                flags = _source_flags(pooled[token])
+                child_chance = path_chance * (ratio if chance is None else chance(flags, ratio, parent > 0))
+                if child_chance > min_score:
                     counter += 1
-                    heapq.heappush(heap, (-child_score, counter, token, parent, depth, pooled[token]))
+                    entry = (-child_chance, counter, token, parent, depth, score * ratio, flags, pooled[token])
+                    heapq.heappush(heap, entry)
 
-        push_children(start, 0, 1.0, 1)
+        push_children(start, 0, 1.0, 1.0, 1)
         while heap and len(tokens) < budget:
-            neg_score, _, token, parent, depth, nodes = heapq.heappop(heap)
+            neg_chance, _, token, parent, depth, score, flags, nodes = heapq.heappop(heap)
             tokens.append(token)
             parents.append(parent)
-            scores.append(-neg_score)
+            scores.append(score)
+            sources.append(flags)
             if depth < max_depth:
-                push_children(nodes, len(tokens), -neg_score, depth + 1)
-        return DraftTree(tokens, parents, scores)
+                push_children(nodes, len(tokens), -neg_chance, score, depth + 1)
+        return DraftTree(tokens, parents, scores, sources)
 
     # ---- introspection ----------------------------------------------------------------
 
