@@ -72,7 +72,7 @@ replay-full: models
 loadcheck: setup
 	$(BIN)/python -m lookahead.bench.loadcheck --clients 4 --duration 120 --out benchmarks/server
 
-# Trie speed, memory, eviction and warm start (about 10 minutes; no model run): benchmarks/trie/.
+# Trie speed, memory, eviction and warm start (about 15 minutes; no model run): benchmarks/trie/.
 trie-bench: setup
 	$(BIN)/python -m lookahead.bench.triebench --out benchmarks/trie
 

@@ -20,7 +20,7 @@ class DraftTree:
     parents: list[int] = field(default_factory=list)
     """Block index of each node's parent: 0 is the root, i + 1 is draft node i."""
     scores: list[float] = field(default_factory=list)
-    """Estimated probability that the node is accepted (product along its path)."""
+    """The trie's estimate that the node is accepted: the product of count ratios along its path."""
     sources: list[int] = field(default_factory=list)
     """Where each node's n-gram was seen: OR of the trie's source flags (prompt, output, corpus)."""
 
