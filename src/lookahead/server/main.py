@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 from collections.abc import Callable
+from types import FrameType
 
 import uvicorn
 
@@ -20,6 +22,23 @@ from .app import ServerSettings, create_app
 from .persistence import load_trie
 
 GRACEFUL_SHUTDOWN_S = 10
+INTERRUPTED = 130
+"""Exit status after Ctrl-C (SIGINT), as shells report it."""
+
+
+class _Server(uvicorn.Server):
+    """Remembers the signal that stopped it.
+
+    uvicorn re-raises a captured SIGINT after shutdown, but from inside asyncio.run, whose own
+    SIGINT handling can swallow it as a late cancellation of the finished main task; the
+    exit status must say "interrupted" either way.
+    """
+
+    stopped_by: int | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.stopped_by = self.stopped_by or sig
+        super().handle_exit(sig, frame)
 
 
 def serve(
@@ -40,8 +59,8 @@ def serve(
     if trie is not None:
         logging.getLogger("lookahead.server").info("trie loaded from %s (%d nodes)", args.trie_path, len(trie))
     app = create_app(make_engine(args, trie), settings)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-    )
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
     server.run()
+    if server.stopped_by == signal.SIGINT:
+        return INTERRUPTED
     return 0 if server.started else 1
