@@ -60,13 +60,17 @@ OUTPUT_CHAIN = DraftTree(tokens=[5, 6, 7], parents=[0, 1, 2], scores=[0.9, 0.9, 
 PRIOR = Calibration.trie_prior()
 
 
+def _observe(calibration: Calibration, tree: DraftTree, accepted: list[int]) -> None:
+    calibration.record(*Calibration.observations(tree, accepted))
+
+
 def test_calibration_starts_from_the_trie_and_learns_per_source():
     engine = Calibration(weight=2.0)
     before = path_probabilities(PROMPT_CHAIN, engine.rates(PRIOR))
     assert np.allclose(before, [0.9, 0.81, 0.729])  # edge ratios 0.9, 1, 1: the top bin, midpoint 0.9
     for _ in range(300):
-        engine.update(PROMPT_CHAIN, accepted=[1, 2, 3])  # copies from the prompt hold
-        engine.update(OUTPUT_CHAIN, accepted=[])  # the same counts from other answers do not
+        _observe(engine, PROMPT_CHAIN, [1, 2, 3])  # copies from the prompt hold
+        _observe(engine, OUTPUT_CHAIN, [])  # the same counts from other answers do not
     rates = engine.rates(PRIOR)
     assert path_probabilities(PROMPT_CHAIN, rates)[-1] > 0.98
     assert path_probabilities(OUTPUT_CHAIN, rates)[0] < 0.02
@@ -75,7 +79,7 @@ def test_calibration_starts_from_the_trie_and_learns_per_source():
 def test_only_nodes_whose_parent_was_accepted_are_counted():
     engine = Calibration(weight=2.0)
     for _ in range(300):
-        engine.update(OUTPUT_CHAIN, accepted=[1])  # the first holds, the second fails, the third is never tried
+        _observe(engine, OUTPUT_CHAIN, [1])  # the first holds, the second fails, the third is never tried
     first, second = Calibration.cells(OUTPUT_CHAIN)[:2]
     assert engine.sent[first] == engine.sent[second] and engine.accepted[second] == 0
     assert Calibration.cells(OUTPUT_CHAIN)[2] == second and engine.rates(PRIOR)[second] < 0.02
@@ -84,20 +88,20 @@ def test_only_nodes_whose_parent_was_accepted_are_counted():
 def test_a_request_learns_its_own_rate_within_a_few_steps():
     engine = Calibration(weight=2.0)
     for _ in range(500):
-        engine.update(PROMPT_CHAIN, accepted=[])  # most requests do not copy their prompt
+        _observe(engine, PROMPT_CHAIN, [])  # most requests do not copy their prompt
     request = Calibration(weight=8.0)
     for _ in range(20):
-        request.update(PROMPT_CHAIN, accepted=[1, 2, 3])  # this one does
+        _observe(request, PROMPT_CHAIN, [1, 2, 3])  # this one does
     assert path_probabilities(PROMPT_CHAIN, request.rates(engine.rates(PRIOR)))[0] > 0.65
 
 
 def test_old_observations_fade():
     engine = Calibration(weight=2.0)
     for _ in range(3000):
-        engine.update(OUTPUT_CHAIN, accepted=[])
+        _observe(engine, OUTPUT_CHAIN, [])
     assert engine.sent.max() <= Calibration.HALVE_AT
     for _ in range(1000):
-        engine.update(OUTPUT_CHAIN, accepted=[1])  # the traffic changed
+        _observe(engine, OUTPUT_CHAIN, [1])  # the traffic changed
     assert engine.rates(PRIOR)[Calibration.cells(OUTPUT_CHAIN)[0]] > 0.6
 
 

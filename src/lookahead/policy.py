@@ -119,19 +119,25 @@ class Calibration:
         with self._lock:
             return (self.accepted + self.weight * prior) / (self.sent + self.weight)
 
-    def update(self, tree: DraftTree, accepted: Sequence[int]) -> None:
-        """Count the nodes whose parent verification kept; `accepted` are their block indices."""
+    @classmethod
+    def observations(cls, tree: DraftTree, accepted: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Cells and outcomes of the nodes whose parent verification kept; `accepted` are block indices."""
         kept = np.zeros(len(tree) + 1, dtype=bool)
         kept[0] = True
         kept[list(accepted)] = True
         tried = kept[np.asarray(tree.parents, dtype=np.int64)]
-        cells = self.cells(tree)[tried]
+        return cls.cells(tree)[tried], kept[1:][tried].astype(np.float64)
+
+    def record(self, cells: np.ndarray, outcomes: np.ndarray) -> None:
         with self._lock:
             np.add.at(self.sent, cells, 1.0)
-            np.add.at(self.accepted, cells, kept[1:][tried].astype(np.float64))
+            np.add.at(self.accepted, cells, outcomes)
             full = self.sent > self.HALVE_AT
             self.sent[full] /= 2
             self.accepted[full] /= 2
+
+
+TRIE_PRIOR = Calibration.trie_prior()
 
 
 def path_probabilities(tree: DraftTree, rates: np.ndarray) -> np.ndarray:
@@ -177,7 +183,7 @@ class DraftPolicy:
 
     def rates(self, request: Calibration) -> np.ndarray:
         """Per cell, the chance a node is accepted once its parent is, as `request` should expect it."""
-        return request.rates(self.calibration.rates(Calibration.trie_prior()))
+        return request.rates(self.calibration.rates(TRIE_PRIOR))
 
     def choose(self, tree: DraftTree, rates: np.ndarray) -> DraftTree:
         """The nodes worth their cost: the likeliest first (parents never after children), cut by best_prefix."""
@@ -195,8 +201,9 @@ class DraftPolicy:
     ) -> None:
         if self.cost is None:
             return
-        self.calibration.update(tree, accepted)
-        request.update(tree, accepted)
+        observed = Calibration.observations(tree, accepted)  # once for both calibrations
+        self.calibration.record(*observed)
+        request.record(*observed)
         if milliseconds is not None:
             self.cost.observe(len(tree) + 1, milliseconds)
 

@@ -22,16 +22,14 @@ from .app import ServerSettings, create_app
 from .persistence import load_trie
 
 GRACEFUL_SHUTDOWN_S = 10
-INTERRUPTED = 130
-"""Exit status after Ctrl-C (SIGINT), as shells report it."""
 
 
 class _Server(uvicorn.Server):
     """Remembers the signal that stopped it.
 
     uvicorn re-raises a captured SIGINT after shutdown, but from inside asyncio.run, whose own
-    SIGINT handling can swallow it as a late cancellation of the finished main task; the
-    exit status must say "interrupted" either way.
+    SIGINT handling can swallow it as a late cancellation of the finished main task; `serve`
+    then raises KeyboardInterrupt itself, so the command exits as interrupted either way.
     """
 
     stopped_by: int | None = None
@@ -62,5 +60,5 @@ def serve(
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
     server.run()
     if server.stopped_by == signal.SIGINT:
-        return INTERRUPTED
+        raise KeyboardInterrupt
     return 0 if server.started else 1
