@@ -31,13 +31,28 @@ def test_every_data_set_loads_from_its_package():
         ["--config", "v:colour=3"],
         ["--config", "v:decoding_length=many"],
         ["--config", "v:policy=psychic"],
+        ["--config", "v:trie_half_life=soon"],
+        ["--config", "v:trie_max_nodes=1.5"],
     ],
 )
 def test_bad_arguments_fail_fast_before_loading_a_model(args, capsys):
     clock = time.perf_counter()
     assert main(["bench", *args]) == 2
     assert time.perf_counter() - clock < 5, "the model must not be loaded for a user mistake"
-    assert capsys.readouterr().err.startswith("lookahead: error:")
+    err = capsys.readouterr().err
+    assert err.startswith("lookahead: error:") and err.count("\n") == 1
+
+
+def test_config_variants_of_every_field_type_are_accepted(tmp_path):
+    from lookahead.bench.cli import validate
+    from lookahead.cli import build_parser
+
+    spec = "v:trie_max_nodes=100000,trie_half_life=100,min_score=0.05,decoding_length=8,trie_max_nodes=none"
+    args = build_parser().parse_args(["bench", "--config", spec, "--out", str(tmp_path)])
+    _, methods, variants = validate(args)
+    config = variants["v"]
+    assert methods[-1] == "v" and config.trie_max_nodes is None and config.trie_half_life == 100.0
+    assert config.min_score == 0.05 and config.decoding_length == 8
 
 
 @pytest.mark.slow

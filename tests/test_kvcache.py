@@ -1,7 +1,7 @@
 import torch
 from transformers import DynamicCache
 
-from lookahead.kvcache import keep_accepted
+from lookahead.decoding.kvcache import keep_accepted
 
 
 def _cache_with(values: list[float]) -> DynamicCache:

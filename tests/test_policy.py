@@ -2,11 +2,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lookahead.config import LookaheadConfig
-from lookahead.draft import DraftTree
-from lookahead.ngrams import OUTPUT, PROMPT
-from lookahead.policy import Calibration, CostModel, DraftPolicy, DraftSession, best_prefix, path_probabilities
-from lookahead.trie import TokenTrie
+from lookahead.drafting.ngrams import OUTPUT, PROMPT
+from lookahead.drafting.policy import Calibration, CostModel, DraftPolicy, best_prefix, path_probabilities
+from lookahead.drafting.tree import DraftTree
 
 FLAT = CostModel({1: 50.0, 64: 50.0})
 STEEP = CostModel({1: 50.0, 2: 100.0, 64: 3200.0})
@@ -55,8 +53,8 @@ def test_cost_model_interpolates_and_follows_drift():
     assert abs(cost.predict(5) - 36.0) < 0.5
 
 
-PROMPT_CHAIN = DraftTree(tokens=[5, 6, 7], parents=[0, 1, 2], scores=[0.9, 0.9, 0.9], sources=[PROMPT] * 3)
-OUTPUT_CHAIN = DraftTree(tokens=[5, 6, 7], parents=[0, 1, 2], scores=[0.9, 0.9, 0.9], sources=[OUTPUT] * 3)
+PROMPT_CHAIN = DraftTree(tokens=[5, 6, 7], parents=[0, 1, 2], ratios=[0.9, 1.0, 1.0], sources=[PROMPT] * 3)
+OUTPUT_CHAIN = DraftTree(tokens=[5, 6, 7], parents=[0, 1, 2], ratios=[0.9, 1.0, 1.0], sources=[OUTPUT] * 3)
 PRIOR = Calibration.trie_prior()
 
 
@@ -108,7 +106,7 @@ def test_old_observations_fade():
 def test_choose_sends_the_likeliest_nodes_with_their_parents():
     # a bush: node 0 (output, doubtful) has a confident child copied from the prompt
     tree = DraftTree(
-        tokens=[1, 2, 3, 4], parents=[0, 1, 0, 3], scores=[0.6, 0.6, 0.4, 0.4], sources=[OUTPUT, PROMPT, PROMPT, PROMPT]
+        tokens=[1, 2, 3, 4], parents=[0, 1, 0, 3], ratios=[0.6, 1.0, 0.4, 1.0], sources=[OUTPUT, PROMPT, PROMPT, PROMPT]
     )
     rates = np.zeros(Calibration.CELLS)
     cells = Calibration.cells(tree)
@@ -116,27 +114,3 @@ def test_choose_sends_the_likeliest_nodes_with_their_parents():
     chosen = DraftPolicy(CostModel({1: 50.0, 3: 65.0, 5: 250.0})).choose(tree, rates)
     assert chosen.tokens == [3, 4] and chosen.parents == [0, 1]  # the prompt chain, not the output branch
     assert DraftPolicy(FLAT).choose(tree, rates).tokens == tree.tokens
-
-
-def test_sessions_cut_the_tree_by_policy():
-    trie = TokenTrie(ngram_length=8)
-    for _ in range(3):
-        trie.insert([1, 2, 3, 4, 5, 6])
-    trie.insert([1, 9, 8, 7])
-    config = LookaheadConfig(decoding_length=8, branch_length=6)
-    fixed = DraftSession(trie, config, [], DraftPolicy())
-    assert len(fixed.propose([1], 100, branching=True)) == 8
-    steep = DraftSession(trie, config, [], DraftPolicy(STEEP))
-    assert len(steep.propose([1], 100, branching=True)) == 0
-    flat = DraftSession(trie, config, [], DraftPolicy(FLAT))
-    tree = flat.propose([1], 100, branching=True)
-    assert len(tree) == 8 and isinstance(tree, DraftTree)
-
-
-def test_config_rejects_bad_settings():
-    import pytest
-
-    for bad in ({"decoding_length": 0}, {"branch_length": -1}, {"match_length": 0}, {"policy": "psychic"},
-                {"min_score": 1.5}):  # fmt: skip
-        with pytest.raises(ValueError, match="LookaheadConfig"):
-            LookaheadConfig(**bad)

@@ -8,7 +8,9 @@ from lookahead import LookaheadConfig, LookaheadEngine
 from lookahead.bench.datasets import load_prompts
 from lookahead.bench.replay import ReplayStats, load_records, oracle_choices, predicted_seconds, record, replay
 from lookahead.cli import main
-from lookahead.draft import DraftTree
+from lookahead.decoding.step import Priced
+from lookahead.drafting.policy import CostModel
+from lookahead.drafting.tree import DraftTree
 
 
 def test_oracle_follows_the_recording_only_along_matching_paths():
@@ -32,22 +34,39 @@ def test_bad_recording_file(tmp_path):
     assert main(["replay", str(tmp_path / "missing.jsonl")]) == 2
 
 
-@pytest.mark.slow
-def test_replay_equals_a_real_run(default_model, tmp_path):
+@pytest.fixture(scope="module")
+def recording(default_model, tmp_path_factory):
     model, tokenizer = default_model
     prompts = load_prompts(["code-edit", "gsm8k"], 2)
-    path = tmp_path / "rec.jsonl"
+    path = tmp_path_factory.mktemp("replay") / "rec.jsonl"
     record(LookaheadEngine(model, tokenizer), prompts, 40, path)
+    return prompts, path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "config",
+    [LookaheadConfig(decoding_length=12, branch_length=6, policy="fixed"), LookaheadConfig()],
+    ids=["fixed", "adaptive"],
+)
+def test_replay_equals_a_real_run(default_model, recording, config):
+    model, tokenizer = default_model
+    prompts, path = recording
     header, records = load_records(path)
     assert header["cost_ms"]["1"] > 0 and len(records) == 4
-    # fixed policy: the adaptive one also reacts to the wall time of real steps, which replay cannot know
-    config = LookaheadConfig(decoding_length=12, branch_length=6, policy="fixed")
     real = LookaheadEngine(model, tokenizer, config)  # a fresh trie, like the replay's
+    if real.policy.adaptive:  # the policy reacts to step times: give it the replay's curve and prices
+        real.policy.cost = CostModel(header["cost_ms"])
+        real.verifier = Priced(real.verifier, CostModel(header["cost_ms"]))
     steps: dict[str, int] = {}
+    drafted: dict[str, int] = {}
     for prompt, rec in zip(prompts, records, strict=True):
         out = real.generate(rec["prompt_ids"], max_new_tokens=40)
         assert out.token_ids == rec["output_ids"]
         steps[prompt.dataset] = steps.get(prompt.dataset, 0) + out.stats.steps
+        drafted[prompt.dataset] = drafted.get(prompt.dataset, 0) + out.stats.draft_tokens
     replayed = replay(records, header, config)
     assert {name: stats.steps for name, stats in replayed.items()} == steps
+    assert {name: stats.draft_tokens for name, stats in replayed.items()} == drafted
+    assert sum(drafted.values()) > 0
     assert json.loads(path.read_text().splitlines()[0])["format"] == "lookahead-replay/1"

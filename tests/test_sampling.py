@@ -7,11 +7,11 @@ import torch
 from scipy.stats import chisquare
 from tiny_models import tiny_model
 
-import lookahead.engine
+import lookahead.decoding.verifier
 from lookahead import LookaheadConfig, LookaheadEngine
-from lookahead.draft import DraftTree
-from lookahead.sampling import SamplingParams, TokenChooser
-from lookahead.verify import accept
+from lookahead.decoding.sampling import SamplingParams, TokenChooser
+from lookahead.decoding.verify import accept
+from lookahead.drafting.tree import DraftTree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -182,7 +182,7 @@ def test_lookahead_sampling_matches_the_models_distribution(tiny_engine, monkeyp
     plain, _ = draw(tiny_engine, range(DRAWS, 2 * DRAWS), use_lookahead=False)
     assert goodness_of_fit(plain, exact) > 1e-3
 
-    monkeypatch.setattr(lookahead.engine, "accept", accept_every_draft)
+    monkeypatch.setattr(lookahead.decoding.verifier, "accept", accept_every_draft)
     wrong, _ = draw(tiny_engine, range(2 * DRAWS, 2 * DRAWS + 2_000))
     assert goodness_of_fit(wrong, exact) < 1e-3, "the test must catch a verifier that accepts every draft"
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lookahead.transcript import Transcript, stop_strings
+from lookahead.decoding.transcript import Transcript, stop_strings
 
 
 def make(tokenizer, stops=(), stop_ids=frozenset(), limit=1000) -> Transcript:

@@ -1,8 +1,8 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lookahead.ngrams import CORPUS, OUTPUT, PROMPT
-from lookahead.trie import TokenTrie
+from lookahead.drafting.ngrams import CORPUS, OUTPUT, PROMPT
+from lookahead.drafting.trie import TokenTrie
 
 
 def _paths(tree):

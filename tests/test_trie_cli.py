@@ -5,8 +5,8 @@ import json
 import pytest
 
 from lookahead.cli import main
-from lookahead.trie import TokenTrie
-from lookahead.triefile import tokenizer_fingerprint
+from lookahead.drafting.trie import TokenTrie
+from lookahead.drafting.triefile import tokenizer_fingerprint
 
 
 @pytest.fixture

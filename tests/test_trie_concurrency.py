@@ -10,7 +10,7 @@ from test_trie_store import _check_structure, _ngrams
 from tiny_models import tiny_model
 
 from lookahead import LookaheadConfig, LookaheadEngine
-from lookahead.trie import TokenTrie
+from lookahead.drafting.trie import TokenTrie
 
 
 def test_threads_generating_with_one_engine_match_greedy_and_lose_no_updates(tokenizer):

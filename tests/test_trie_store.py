@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lookahead.trie import TokenTrie
-from lookahead.triefile import MAGIC, tokenizer_fingerprint
+from lookahead.drafting.trie import TokenTrie
+from lookahead.drafting.triefile import MAGIC, tokenizer_fingerprint
 
 
 class FakeTokenizer:
@@ -223,7 +223,7 @@ def test_a_failed_save_leaves_the_old_file(saved, monkeypatch):
     before = saved.read_bytes()
     trie = TokenTrie()
     trie.observe("r", [1, 2, 3])
-    monkeypatch.setattr("lookahead.triefile.os.fsync", lambda fd: (_ for _ in ()).throw(OSError("disk full")))
+    monkeypatch.setattr("lookahead.drafting.triefile.os.fsync", lambda fd: (_ for _ in ()).throw(OSError("disk full")))
     with pytest.raises(OSError):
         trie.save(saved)
     assert saved.read_bytes() == before
@@ -260,17 +260,16 @@ def test_engine_refuses_a_trie_of_another_tokenizer(tokenizer, tmp_path):
 
 
 def test_a_sound_container_with_an_unsound_trie_is_refused(tmp_path):
-    from lookahead.triefile import write_trie
+    from lookahead.drafting.triefile import TrieSettings, write_trie
 
     trie = TokenTrie(ngram_length=4)
     trie.observe("r", [1, 2, 3])
     trie.save(tmp_path / "good")
     columns = trie._shared.export()
     columns["parent"][0] = 2  # the first node now claims a parent that comes after it
-    settings = {
-        "ngram_length": 4, "boundary_ids": [], "max_nodes": None, "half_life": None, "age": 0.0,
-        "tokens_learned": 3, "tokenizer_id": None,
-    }  # fmt: skip
+    settings = TrieSettings(
+        ngram_length=4, boundary_ids=[], max_nodes=None, half_life=None, age=0.0, tokens_learned=3, tokenizer_id=None
+    )
     write_trie(tmp_path / "bad", columns, settings)
     with pytest.raises(ValueError, match="malformed trie file"):
         TokenTrie.load(tmp_path / "bad")

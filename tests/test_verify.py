@@ -1,5 +1,5 @@
-from lookahead.draft import DraftTree
-from lookahead.verify import accept_greedy
+from lookahead.decoding.verify import accept_greedy
+from lookahead.drafting.tree import DraftTree
 
 # root; 1:a=10 under root, 2:b=11 under root, 3:c=12 under a, 4:d=13 under c
 TREE = DraftTree(tokens=[10, 11, 12, 13], parents=[0, 0, 1, 3])

@@ -47,14 +47,6 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="same seed, same output (with or without lookahead)")
 
 
-def sampling_options(args: argparse.Namespace) -> dict:
-    """Engine options for the sampling flags; empty when greedy."""
-    if args.temperature == 0:
-        return {}
-    return {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-            "seed": args.seed}  # fmt: skip
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lookahead", description="Lossless lookahead decoding.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -131,11 +123,12 @@ def prompt_ids(engine, prompt: str, raw: bool) -> list[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from .decoding.sampling import request_options
+
     engine = _engine(args)
     ids = prompt_ids(engine, args.prompt, args.raw)
-    options = {**sampling_options(args), "stop": args.stop}
-    if options.get("do_sample") and options["seed"] is None and args.compare:
-        options["seed"] = 0  # the comparison needs both runs to draw the same numbers
+    seed = 0 if args.seed is None and args.compare else args.seed  # a comparison needs both runs to draw alike
+    options = request_options(args.temperature, args.top_p, args.top_k, seed, args.stop)
     stream = engine.stream(ids, args.max_new_tokens, **options)  # checks the options before any work
     engine.generate(ids, max_new_tokens=2, use_lookahead=False)  # warm-up: first calls pay one-off costs
     clock = time.perf_counter()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import types
+import typing
+from dataclasses import dataclass, fields
 
 DEFAULT_TRIE_MAX_NODES = 1_000_000
 """About 200 MB: `python -m lookahead.bench.triebench` measures under 200 bytes a node."""
@@ -44,12 +47,50 @@ class LookaheadConfig:
             raise ValueError(f"LookaheadConfig.policy must be 'adaptive' or 'fixed', got {self.policy!r}")
         if self.trie_max_nodes is not None and (not isinstance(self.trie_max_nodes, int) or self.trie_max_nodes < 1):
             raise ValueError(f"LookaheadConfig.trie_max_nodes must be positive or None, got {self.trie_max_nodes!r}")
-        if self.trie_half_life is not None and not self.trie_half_life > 0:
-            raise ValueError(f"LookaheadConfig.trie_half_life must be positive or None, got {self.trie_half_life!r}")
-        if not 0.0 <= self.min_score < 1.0:
+        half_life = self.trie_half_life
+        if half_life is not None and not (_is_number(half_life) and half_life > 0):
+            raise ValueError(f"LookaheadConfig.trie_half_life must be positive or None, got {half_life!r}")
+        if not (_is_number(self.min_score) and 0.0 <= self.min_score < 1.0):
             raise ValueError(f"LookaheadConfig.min_score must be in [0, 1), got {self.min_score!r}")
+
+    @classmethod
+    def parse(cls, settings: str) -> LookaheadConfig:
+        """A config from `key=value,key=value` (command-line text), each value read as its field's type.
+
+        `none` sets an optional field to None. ValueError, naming the key, for anything else.
+        """
+        types_of = typing.get_type_hints(cls)
+        known = {f.name for f in fields(cls)}
+        overrides: dict[str, object] = {}
+        for item in settings.split(","):
+            key, equals, value = (part.strip() for part in item.partition("="))
+            if key not in known:
+                raise ValueError(f"unknown setting {key!r}: choose from {', '.join(sorted(known))}")
+            if not equals:
+                raise ValueError(f"setting {key!r} has no value: write {key}=VALUE")
+            overrides[key] = _convert(key, value, types_of[key])
+        return cls(**overrides)
 
     @property
     def ngram_length(self) -> int:
         """Longest n-gram the trie stores: a matched tail plus a full branch."""
         return self.match_length + self.branch_length
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _convert(key: str, text: str, kind: object) -> object:
+    """`text` as a value of the type `kind` (int, float, str, or one of them or None)."""
+    options = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
+    optional = type(None) in options
+    (base,) = [option for option in options if option is not type(None)]
+    if optional and text.lower() == "none":
+        return None
+    try:
+        return base(text)
+    except ValueError:
+        names = {int: "an integer", float: "a number", str: "text"}
+        rule = names[base] + (" or none" if optional else "")
+        raise ValueError(f"{key} must be {rule}, got {text!r}") from None

@@ -18,7 +18,8 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel,
 from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-from .engine import LookaheadEngine
+from .decoding.engine import LookaheadEngine
+from .models import eos_ids
 
 _ENGINES: weakref.WeakKeyDictionary[PreTrainedModel, LookaheadEngine] = weakref.WeakKeyDictionary()
 
@@ -53,8 +54,6 @@ def generate(
     if unsupported := [type(c).__name__ for c in stopping_criteria if not isinstance(c, known)]:
         raise ValueError(f"stopping criteria not supported with lookahead: {', '.join(unsupported)}")
     prompt = input_ids[0].tolist()
-    eos = generation_config.eos_token_id
-    stop_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     do_sample = bool(generation_config.do_sample)
     # from torch's global generator, so torch.manual_seed() reproduces; greedy leaves it untouched, as generate() does
     seed = int(torch.randint(2**62, (1,))) if do_sample else None
@@ -66,7 +65,7 @@ def generate(
         generation_config.max_length - len(prompt),
         do_sample=do_sample,
         seed=seed,
-        stop_token_ids=stop_ids,
+        stop_token_ids=sorted(eos_ids(generation_config)),
         logits_processor=logits_processor,
         on_tokens=None if streamer is None else lambda tokens: streamer.put(torch.tensor(tokens)),
     )

@@ -19,7 +19,13 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 DEFAULT_MODEL = "smollm2-135m"
 _COMPLETE = "lookahead-complete.json"
@@ -85,6 +91,16 @@ def load_model(
         directory = None
     model, tokenizer = _load_pretrained(directory if directory is not None else name, torch_dtype, name)
     return model.to(device).eval(), tokenizer
+
+
+def eos_ids(generation_config: GenerationConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> frozenset[int]:
+    """End-of-sequence ids as `generate()` sees them: the generation config's, else the tokenizer's."""
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
 
 
 def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:

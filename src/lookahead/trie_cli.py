@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 from .config import LookaheadConfig
@@ -80,6 +81,7 @@ def build(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
     from . import TokenTrie, load_model
+    from .models import eos_ids
 
     paths = [Path(p) for p in args.inputs]
     for path in paths:
@@ -89,11 +91,8 @@ def build(args: argparse.Namespace) -> int:
     if args.into:
         trie = TokenTrie.load(args.into, max_nodes=args.max_nodes)
     else:
-        eos = model.generation_config.eos_token_id
-        eos = eos if eos is not None else tokenizer.eos_token_id
-        boundary = [eos] if isinstance(eos, int) else list(eos or [])
-        config = LookaheadConfig()
-        trie = TokenTrie(config.ngram_length, boundary, args.max_nodes, config.trie_half_life)
+        config = replace(LookaheadConfig(), trie_max_nodes=args.max_nodes)
+        trie = TokenTrie.from_config(config, eos_ids(model.generation_config, tokenizer))
     trie.bind_tokenizer(tokenizer)
     columns = [BarColumn(), DownloadColumn(), TimeRemainingColumn()]
     with Progress("[progress.description]{task.description}", *columns, transient=True) as bar:
@@ -107,7 +106,7 @@ def build(args: argparse.Namespace) -> int:
 
 def inspect(args: argparse.Namespace) -> int:
     from . import TokenTrie, load_model
-    from .triefile import tokenizer_fingerprint
+    from .drafting.triefile import tokenizer_fingerprint
 
     trie = TokenTrie.load(args.file)
     stats = trie.stats()

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ..cli import sampling_options
 from ..config import LookaheadConfig
+from ..decoding.sampling import request_options
 from .datasets import DATASETS, load_prompts
 from .replay import load_records, record, replay, summarize_replay, sweep_configs
 from .report import environment, markdown_table, plot_accepted, plot_speedup, plot_sweep
@@ -53,6 +53,11 @@ def validate(args: argparse.Namespace) -> tuple[list[str], list[str], dict]:
     return datasets, methods, variants
 
 
+def _sampling(args: argparse.Namespace) -> dict:
+    """Engine options for the benchmark's sampling flags; empty when greedy."""
+    return request_options(args.temperature, args.top_p, args.top_k, args.seed)
+
+
 def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     datasets, methods, variants = validate(args)
     prompts = load_prompts(datasets, args.limit)
@@ -65,7 +70,7 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     torch.set_num_threads(args.threads)
     console = Console(stderr=True)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
-    bench = Bench(model, tokenizer, methods, variants, args.max_new_tokens, sampling_options(args))
+    bench = Bench(model, tokenizer, methods, variants, args.max_new_tokens, _sampling(args))
     bench.warm_up(prompts[0])
     samples = []
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()]
@@ -83,7 +88,7 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
         "model": model_name,
         "command": "lookahead " + shlex.join(argv),
         "settings": {"max_new_tokens": args.max_new_tokens, "limit": args.limit, "dtype": args.dtype,
-                     "sampling": sampling_options(args) or "greedy",
+                     "sampling": _sampling(args) or "greedy",
                      "datasets": datasets, "methods": methods,
                      "configs": {name: cfg.__dict__ for name, cfg in variants.items()},
                      "lookahead": bench.engines["lookahead"].config.__dict__,
@@ -155,7 +160,7 @@ def _record(args: argparse.Namespace, prompts, path: Path) -> None:
     import torch
     from rich.progress import Progress
 
-    from ..engine import LookaheadEngine
+    from ..decoding.engine import LookaheadEngine
     from ..models import load_model
 
     torch.set_num_threads(args.threads or 2)

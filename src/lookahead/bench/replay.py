@@ -2,9 +2,11 @@
 
 Greedy output is deterministic, so once plain greedy outputs are recorded, what any drafter
 setting would accept at every step follows from them: the model's choice at a draft node is
-the recorded next token if the node's path matches the recording so far. Tokens per step,
-draft sizes and the accepted-length histogram come out exactly as a real run would give them;
-the forward-pass cost curve measured at record time turns them into a predicted speedup.
+the recorded next token if the node's path matches the recording so far. The replay runs the
+engine's own step loop (decoding/step.py) with a RecordingVerifier in the model's place, so
+tokens per step, draft sizes and the accepted-length histogram come out exactly as a real
+run gives them; the forward-pass cost curve measured at record time prices every step, for
+the adaptive policy as it runs and for the predicted speedup at the end.
 """
 
 from __future__ import annotations
@@ -14,16 +16,20 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..config import LookaheadConfig
-from ..draft import DraftTree
-from ..engine import LookaheadEngine
-from ..policy import CostModel, DraftPolicy, DraftSession
-from ..trie import TokenTrie
-from ..verify import accept_greedy
+from ..decoding.generation import Generation, GenerationStats
+from ..decoding.step import Priced, Verdict, decode
+from ..decoding.transcript import Transcript
+from ..decoding.verify import accept_greedy
+from ..drafting.drafter import TrieDrafting
+from ..drafting.policy import CostModel
+from ..drafting.tree import DraftTree
 from .datasets import Prompt
 
-_COST_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+if TYPE_CHECKING:
+    from ..decoding.engine import LookaheadEngine
 
 
 @dataclass
@@ -35,6 +41,20 @@ class ReplayStats:
     accepted: Counter[int] = field(default_factory=Counter)
     widths: Counter[int] = field(default_factory=Counter)
     """Forward-pass widths (root + draft) → number of steps: what the cost model prices."""
+
+    @classmethod
+    def of(cls, stats: GenerationStats) -> ReplayStats:
+        """The figures of one replayed generation."""
+        widths = Counter({sent + 1: steps for sent, steps in stats.sent_histogram.items()})
+        return cls(1, stats.new_tokens, stats.steps, stats.draft_tokens, Counter(stats.accepted_histogram), widths)
+
+    def add(self, other: ReplayStats) -> None:
+        self.prompts += other.prompts
+        self.new_tokens += other.new_tokens
+        self.steps += other.steps
+        self.draft_tokens += other.draft_tokens
+        self.accepted.update(other.accepted)
+        self.widths.update(other.widths)
 
 
 def oracle_choices(tree: DraftTree, output: Sequence[int], pos: int) -> list[int]:
@@ -48,55 +68,51 @@ def oracle_choices(tree: DraftTree, output: Sequence[int], pos: int) -> list[int
     return [output[pos + d] if ok and pos + d < len(output) else -1 for ok, d in zip(on_path, depth, strict=True)]
 
 
-def replay_one(
-    session: DraftSession, prompt: Sequence[int], output: Sequence[int], max_new_tokens: int, branching: bool,
-    stats: ReplayStats,
-) -> list[int]:  # fmt: skip
-    """Steps of one request, as the engine would take them; returns tokens accepted per step."""
-    sequence = [*prompt, output[0]]
-    session.learn(output[:1])
-    pos = 1
-    per_step = []
-    while pos < len(output):
-        tree = session.propose(sequence, max_new_tokens - pos, branching)
-        accepted, emitted = accept_greedy(tree, oracle_choices(tree, output, pos))
-        session.verified(tree, accepted)
-        emitted = emitted[: len(output) - pos]
-        session.learn(emitted)
-        sequence += emitted
-        pos += len(emitted)
-        stats.steps += 1
-        stats.draft_tokens += len(tree)
-        stats.accepted[len(accepted)] += 1
-        stats.widths[len(tree) + 1] += 1
-        per_step.append(len(emitted))
-    stats.prompts += 1
-    stats.new_tokens += len(output)
-    return per_step
+class RecordingVerifier:
+    """Verification by a recorded greedy output instead of the model: the step's other half in a replay."""
+
+    def __init__(self, output: Sequence[int], branching: bool) -> None:
+        self.output = output
+        self.branching = branching
+
+    def prefill(self, generations: Sequence[Generation]) -> list[int]:
+        return [self.output[0] for _ in generations]
+
+    def verify(self, generations: Sequence[Generation], trees: Sequence[DraftTree]) -> tuple[list[Verdict], float]:
+        verdicts = []
+        for generation, tree in zip(generations, trees, strict=True):
+            emitted = len(generation.tokens) - len(generation.prompt)
+            verdicts.append(Verdict(*accept_greedy(tree, oracle_choices(tree, self.output, emitted))))
+        return verdicts, 0.0  # the time is the cost model's: see Priced
+
+    def may_branch(self, generation: Generation) -> bool:
+        return self.branching
 
 
 def replay(records: Iterable[dict], header: dict, config: LookaheadConfig) -> dict[str, ReplayStats]:
     """All records in order with one trie (state carries across requests, as in a server)."""
-    trie = TokenTrie(config.ngram_length, header["eos_ids"], config.trie_max_nodes, config.trie_half_life)
-    policy = DraftPolicy(CostModel(header["cost_ms"]) if config.policy == "adaptive" else None)
+    drafting = TrieDrafting.from_config(config, header["eos_ids"], CostModel(header["cost_ms"]))
     by_dataset: dict[str, ReplayStats] = {}
     for record in records:
-        replay_record(trie, policy, config, header, record, by_dataset.setdefault(record["dataset"], ReplayStats()))
+        replay_record(drafting, header, record, by_dataset.setdefault(record["dataset"], ReplayStats()))
     return by_dataset
 
 
-def replay_record(
-    trie: TokenTrie, policy: DraftPolicy, config: LookaheadConfig, header: dict, record: dict, stats: ReplayStats
-) -> None:
-    """One recorded request drafted from `trie`, its steps added to `stats`."""
-    session = DraftSession(trie, config, record["prompt_ids"], policy)
-    try:
-        replay_one(
-            session, record["prompt_ids"], record["output_ids"], header["max_new_tokens"],
-            header["draft_mode"] == "tree", stats,
-        )  # fmt: skip
-    finally:
-        session.close()
+def replay_record(drafting: TrieDrafting, header: dict, record: dict, stats: ReplayStats) -> None:
+    """One recorded request drafted through `drafting`, stepped exactly as the engine steps; added to `stats`.
+
+    Each step is priced by the cost curve measured at record time, and the policy learns
+    from those times as it does from a real run's clock.
+    """
+    output = record["output_ids"]
+    transcript = Transcript(lambda ids: "", header["max_new_tokens"], frozenset(header["eos_ids"]), ())
+    generation = Generation(record["prompt_ids"], header["max_new_tokens"], transcript)
+    verifier = Priced(RecordingVerifier(output, header["draft_mode"] == "tree"), CostModel(header["cost_ms"]))
+    for _ in decode(generation, verifier, drafting):
+        pass
+    if transcript.tokens != output:
+        raise ValueError(f"record {record.get('key')!r}: its output does not end at a stop of the recording's settings")
+    stats.add(ReplayStats.of(generation.stats))
 
 
 def predicted_seconds(stats: ReplayStats, cost_ms: dict) -> float:
@@ -111,11 +127,7 @@ def summarize_replay(
     """Rows per data set and for all: tokens per step, draft size, speedup predicted by the cost curve."""
     total = ReplayStats()
     for stats in by_dataset.values():
-        total.prompts += stats.prompts
-        total.new_tokens += stats.new_tokens
-        total.steps += stats.steps
-        total.draft_tokens += stats.draft_tokens
-        total.widths.update(stats.widths)
+        total.add(stats)
     plain_ms = CostModel(header["cost_ms"]).predict(1)
     rows = []
     for dataset, stats in [*by_dataset.items(), ("all", total)]:
@@ -150,6 +162,8 @@ def sweep_configs() -> dict[str, LookaheadConfig]:
 
 def record(engine: LookaheadEngine, prompts: list[Prompt], max_new_tokens: int, path: Path, progress=None) -> None:
     """Plain greedy over `prompts`, written as JSON lines after a header with the cost curve."""
+    from ..decoding.costs import measure_cost
+
     rows = []
     for prompt in prompts:
         ids = engine.chat_ids([{"role": "user", "content": prompt.text}])
@@ -162,7 +176,7 @@ def record(engine: LookaheadEngine, prompts: list[Prompt], max_new_tokens: int, 
         "eos_ids": sorted(engine.eos_ids),
         "max_new_tokens": max_new_tokens,
         "draft_mode": engine.draft_mode,
-        "cost_ms": engine.measure_cost(),
+        "cost_ms": measure_cost(engine.forward),
     }
     scratch = path.with_name(path.name + ".part")
     with scratch.open("w") as out:

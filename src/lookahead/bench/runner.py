@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import LookaheadConfig
-from ..engine import LookaheadEngine
+from ..decoding.engine import LookaheadEngine
 from .datasets import Prompt
 
 BUILTIN_METHODS = ("plain", "hf-greedy", "hf-prompt-lookup", "lookahead")
@@ -40,18 +40,10 @@ def parse_variant(spec: str) -> tuple[str, LookaheadConfig]:
     name, _, settings = spec.partition(":")
     if not name or not settings:
         raise ValueError(f"--config {spec!r}: expected NAME:key=value[,key=value]")
-    overrides = {}
-    for item in settings.split(","):
-        key, _, value = item.partition("=")
-        field_ = LookaheadConfig.__dataclass_fields__.get(key)
-        if field_ is None:
-            raise ValueError(f"--config {spec!r}: unknown setting {key!r}")
-        convert = {"int": int, "float": float}.get(str(field_.type), str)
-        try:
-            overrides[key] = convert(value)
-        except ValueError:
-            raise ValueError(f"--config {spec!r}: {key} must be {field_.type}, got {value!r}") from None
-    return name, LookaheadConfig(**overrides)
+    try:
+        return name, LookaheadConfig.parse(settings)
+    except ValueError as err:
+        raise ValueError(f"--config {spec!r}: {err}") from None
 
 
 class Bench:

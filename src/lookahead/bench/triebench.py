@@ -27,8 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from ..config import LookaheadConfig
-from ..policy import CostModel, DraftPolicy
-from ..trie import TokenTrie
+from ..drafting.drafter import TrieDrafting
+from ..drafting.policy import CostModel
+from ..drafting.trie import TokenTrie
 from .replay import ReplayStats, load_records, replay, replay_record
 
 RECORDING = Path("benchmarks/replay/smollm2-135m.jsonl")
@@ -169,10 +170,10 @@ def eviction_rules(budgets: list[int], half_lives: dict[str, float | None]) -> l
 
 
 def _edl(trie: TokenTrie, records: list[dict], header: dict, config: LookaheadConfig) -> ReplayStats:
-    policy = DraftPolicy(CostModel(header["cost_ms"]))
+    drafting = TrieDrafting.from_config(config, header["eos_ids"], CostModel(header["cost_ms"]), trie)
     stats = ReplayStats()
     for record in records:
-        replay_record(trie, policy, config, header, record, stats)
+        replay_record(drafting, header, record, stats)
     return stats
 
 
@@ -191,17 +192,17 @@ def warm_start(datasets: list[str]) -> list[dict]:
         corpus_tokens = 0
         with tempfile.TemporaryDirectory() as scratch:
             for i, record in enumerate(chosen):
-                cold = TokenTrie(config.ngram_length, header["eos_ids"])
-                _merge(arms["cold"], _edl(cold, [record], header, config))
+                cold = TokenTrie.from_config(config, header["eos_ids"])
+                arms["cold"].add(_edl(cold, [record], header, config))
                 corpus = Path(scratch) / "answers.jsonl"
                 texts = [tokenizer.decode(r["output_ids"], skip_special_tokens=True) for r in chosen if r is not record]
                 corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-                warm = TokenTrie(config.ngram_length, header["eos_ids"])
+                warm = TokenTrie.from_config(config, header["eos_ids"])
                 corpus_tokens += build_trie(warm, tokenizer, [corpus])
                 path = Path(scratch) / f"warm-{i}.trie"
                 warm.save(path)
-                _merge(arms["warm (other answers)"], _edl(TokenTrie.load(path), [record], header, config))
-        learning = TokenTrie(config.ngram_length, header["eos_ids"])
+                arms["warm (other answers)"].add(_edl(TokenTrie.load(path), [record], header, config))
+        learning = TokenTrie.from_config(config, header["eos_ids"])
         arms["cold, learning across the set"] = _edl(learning, chosen, header, config)
         for arm, stats in arms.items():
             rows.append(
@@ -216,13 +217,6 @@ def warm_start(datasets: list[str]) -> list[dict]:
             )
             print("warm", rows[-1], flush=True)
     return rows
-
-
-def _merge(total: ReplayStats, part: ReplayStats) -> None:
-    total.prompts += part.prompts
-    total.new_tokens += part.new_tokens
-    total.steps += part.steps
-    total.draft_tokens += part.draft_tokens
 
 
 def markdown(results: dict) -> str:

@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..engine import LookaheadEngine
+from ..decoding.engine import LookaheadEngine
 from . import errors
 from .errors import APIError
 from .exchange import Exchange

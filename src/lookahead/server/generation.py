@@ -12,7 +12,8 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from ..engine import LookaheadEngine
+from ..decoding.engine import LookaheadEngine
+from ..decoding.sampling import request_options
 from .errors import APIError
 from .schemas import ChatRequest, CompletionRequest, GenerationRequest
 
@@ -73,18 +74,9 @@ def _plan(
 
 
 def engine_options(request: GenerationRequest) -> dict[str, Any]:
-    """Keyword arguments for the engine; greedy requests pass none (temperature 0 means greedy).
+    """Keyword arguments for the engine (temperature 0 means greedy).
 
     OpenAI's default temperature is 1, so a request that does not set it samples, as it would there.
     """
-    options: dict[str, Any] = {}
     temperature = 1.0 if request.temperature is None else request.temperature
-    if temperature > 0:
-        options.update(do_sample=True, temperature=temperature)
-        if request.top_p is not None:
-            options["top_p"] = request.top_p
-        if request.seed is not None:
-            options["seed"] = request.seed
-    if request.stop:
-        options["stop"] = request.stop
-    return options
+    return request_options(temperature, request.top_p, seed=request.seed, stop=request.stop)

@@ -15,9 +15,9 @@ from types import FrameType
 
 import uvicorn
 
-from ..engine import LookaheadEngine
+from ..decoding.engine import LookaheadEngine
+from ..drafting.trie import TokenTrie
 from ..models import DEFAULT_MODEL
-from ..trie import TokenTrie
 from .app import ServerSettings, create_app
 from .persistence import load_trie
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..engine import LookaheadEngine
+from ..decoding.engine import LookaheadEngine
 from .scheduler import Job, Scheduler
 
 _LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300)

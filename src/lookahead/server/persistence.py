@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ..trie import TokenTrie
+from ..drafting.trie import TokenTrie
 
 log = logging.getLogger("lookahead.server")
 

@@ -1,7 +1,8 @@
 """DraftTree: the candidate continuations verified in one forward pass.
 
 Index 0 of the packed block is the root (the last accepted token, not yet in the KV cache);
-draft node i sits at block index i + 1. Parents always come before their children.
+draft node i sits at block index i + 1. Parents always come before their children. The tree
+is plain data: decoding turns it into attention masks and positions (decoding/masks.py).
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 
 @dataclass
@@ -19,20 +19,20 @@ class DraftTree:
     """Token of each draft node."""
     parents: list[int] = field(default_factory=list)
     """Block index of each node's parent: 0 is the root, i + 1 is draft node i."""
-    scores: list[float] = field(default_factory=list)
-    """The trie's estimate that the node is accepted: the product of count ratios along its path."""
+    ratios: list[float] = field(default_factory=list)
+    """The trie's estimate that the node follows its parent: its count over its parent's count."""
     sources: list[int] = field(default_factory=list)
     """Where each node's n-gram was seen: OR of the trie's source flags (prompt, output, corpus)."""
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
             raise ValueError("tokens and parents must have the same length")
-        if not self.scores:
-            self.scores = [1.0] * len(self.tokens)
+        if not self.ratios:
+            self.ratios = [1.0] * len(self.tokens)
         if not self.sources:
             self.sources = [0] * len(self.tokens)
-        if not len(self.tokens) == len(self.scores) == len(self.sources):
-            raise ValueError("every node needs one score and one source")
+        if not len(self.tokens) == len(self.ratios) == len(self.sources):
+            raise ValueError("every node needs one ratio and one source")
         for i, parent in enumerate(self.parents):
             if not 0 <= parent <= i:
                 raise ValueError(f"node {i} has parent {parent}: parents must come first")
@@ -49,6 +49,14 @@ class DraftTree:
         return depths[1:]
 
     @property
+    def scores(self) -> list[float]:
+        """The trie's estimate that each node's whole path is accepted: the product of ratios along it."""
+        scores = [1.0]
+        for ratio, parent in zip(self.ratios, self.parents, strict=True):
+            scores.append(scores[parent] * ratio)
+        return scores[1:]
+
+    @property
     def is_chain(self) -> bool:
         """True when the draft is a single path, which the ordinary causal mask already fits."""
         return all(parent == i for i, parent in enumerate(self.parents))
@@ -62,9 +70,9 @@ class DraftTree:
             parents = [block[self.parents[node]] for node in keep]
         except KeyError:
             raise ValueError("a kept node's parent was not kept") from None
-        pick = [self.tokens, self.scores, self.sources]
-        tokens, scores, sources = ([column[node] for node in keep] for column in pick)
-        return DraftTree(tokens, parents, scores, sources)
+        pick = [self.tokens, self.ratios, self.sources]
+        tokens, ratios, sources = ([column[node] for node in keep] for column in pick)
+        return DraftTree(tokens, parents, ratios, sources)
 
     def children(self) -> list[dict[int, int]]:
         """Per block index, the map token -> block index of its child."""
@@ -72,11 +80,6 @@ class DraftTree:
         for i, (token, parent) in enumerate(zip(self.tokens, self.parents, strict=True)):
             kids[parent].setdefault(token, i + 1)
         return kids
-
-    def position_ids(self, past_length: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Positions of the block: the root at `past_length`, each node one below its parent."""
-        depths = np.fromiter([0, *self.depths], dtype=np.int64, count=len(self.tokens) + 1)
-        return torch.from_numpy(depths + past_length).to(device).unsqueeze(0)
 
     def ancestor_matrix(self) -> np.ndarray:
         """Boolean (n+1, n+1): row i marks the block entries that block entry i may attend to."""
@@ -87,14 +90,3 @@ class DraftTree:
             allowed[i] = allowed[parent]
             allowed[i, i] = True
         return allowed
-
-    def attention_mask(self, past_length: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Additive 4-D mask (1, 1, n+1, past+n+1): 0 where attention is allowed, dtype's min elsewhere.
-
-        Float, not boolean: boolean 4-D masks are mishandled by eager attention in transformers 5.
-        """
-        size = len(self.tokens) + 1
-        mask = torch.zeros((size, past_length + size), dtype=dtype)
-        block = torch.from_numpy(~self.ancestor_matrix())
-        mask[:, past_length:].masked_fill_(block, torch.finfo(dtype).min)
-        return mask.to(device)[None, None]

@@ -1,8 +1,9 @@
+"""DraftTree: plain data — depths, children, subtrees, the ancestor relation."""
+
 import numpy as np
 import pytest
-import torch
 
-from lookahead.draft import DraftTree
+from lookahead.drafting.tree import DraftTree
 
 
 def test_depths_chain_and_children():
@@ -20,27 +21,12 @@ def test_parents_must_come_first():
         DraftTree(tokens=[1], parents=[0, 0])
 
 
-def test_mask_lets_each_node_see_past_and_its_ancestors_only():
-    tree = DraftTree(tokens=[10, 11, 12], parents=[0, 0, 1])
-    mask = tree.attention_mask(past_length=3, dtype=torch.float32)
-    assert mask.shape == (1, 1, 4, 7)
-    allowed = (mask[0, 0] == 0).numpy()
-    assert allowed[:, :3].all()
-    expected = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=bool)
-    assert (allowed[:, 3:] == expected).all()
-    assert mask.min() == torch.finfo(torch.float32).min
-
-
-def test_positions_follow_depth():
-    tree = DraftTree(tokens=[10, 11, 12], parents=[0, 0, 1])
-    assert tree.position_ids(7).tolist() == [[7, 8, 8, 9]]
-
-
 def test_subtree_reindexes_and_keeps_every_column():
-    tree = DraftTree(tokens=[10, 11, 12, 13], parents=[0, 0, 1, 3], scores=[0.9, 0.5, 0.4, 0.3], sources=[4, 1, 4, 5])
+    tree = DraftTree(tokens=[10, 11, 12, 13], parents=[0, 0, 1, 3], ratios=[0.9, 0.5, 0.5, 0.75], sources=[4, 1, 4, 5])
     small = tree.subtree([0, 2, 3])
     assert small.tokens == [10, 12, 13] and small.parents == [0, 1, 2]
-    assert small.scores == [0.9, 0.4, 0.3] and small.sources == [4, 4, 5]
+    assert small.ratios == [0.9, 0.5, 0.75] and small.sources == [4, 4, 5]
+    assert small.scores == tree.scores[:1] + tree.scores[2:] == [0.9, 0.45, 0.3375]
     assert tree.subtree([]).tokens == []
 
 
@@ -48,3 +34,9 @@ def test_subtree_refuses_an_orphan():
     tree = DraftTree(tokens=[10, 11, 12], parents=[0, 1, 2])
     with pytest.raises(ValueError, match="parent"):
         tree.subtree([0, 2])
+
+
+def test_ancestor_matrix_marks_each_entry_and_its_ancestors():
+    tree = DraftTree(tokens=[10, 11, 12], parents=[0, 0, 1])
+    expected = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=bool)
+    assert (tree.ancestor_matrix() == expected).all()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .draft import DraftTree
+from ..drafting.tree import DraftTree
 
 
 def accept(tree: DraftTree, choose: Callable[[int, list[int]], int]) -> tuple[list[int], list[int]]:

@@ -10,7 +10,9 @@ per emitted token, so a seeded request emits the same tokens with or without dra
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import LogitsProcessorList
@@ -71,6 +73,28 @@ class SamplingParams:
             if self.min_p > 0.0:
                 chain.append(MinPLogitsWarper(self.min_p))
         return chain
+
+
+def request_options(
+    temperature: float,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """Engine keyword arguments for a client's request (the command line, the server, the benchmark).
+
+    Temperature 0 is greedy, and then top_p, top_k and seed, which only shape sampling, are not
+    passed; None leaves a setting to the engine's default.
+    """
+    options: dict[str, Any] = {}
+    if temperature != 0:
+        options.update(do_sample=True, temperature=temperature)
+        settings = {"top_p": top_p, "top_k": top_k, "seed": seed}
+        options.update({name: value for name, value in settings.items() if value is not None})
+    if stop:
+        options["stop"] = stop
+    return options
 
 
 def _is_number(value: object) -> bool:

@@ -22,9 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from .config import DEFAULT_TRIE_HALF_LIFE, DEFAULT_TRIE_MAX_NODES
-from .draft import DraftTree
+from ..config import DEFAULT_TRIE_HALF_LIFE, DEFAULT_TRIE_MAX_NODES, LookaheadConfig
 from .ngrams import CORPUS, MAX_TOKEN, OUTPUT, PROMPT, NgramStore
+from .tree import DraftTree
+from .triefile import TrieSettings, read_trie, tokenizer_fingerprint, write_trie
 
 EdgeChance = Callable[[int, float, bool], float]
 """Chance a draft node is accepted once its parent is, from its source flags, count ratio and depth > 1."""
@@ -120,14 +121,17 @@ class TokenTrie:
         self._feeds: dict[Hashable, _Feed] = {}
         self._lock = threading.RLock()
 
+    @classmethod
+    def from_config(cls, config: LookaheadConfig, boundary_ids: Iterable[int]) -> TokenTrie:
+        """An empty trie for drafting with `config`; `boundary_ids` (end of turn) separate n-grams."""
+        return cls(config.ngram_length, boundary_ids, config.trie_max_nodes, config.trie_half_life)
+
     def __len__(self) -> int:
         """Nodes in the shared index (prompt stores of live requests not counted)."""
         return len(self._shared)
 
     def bind_tokenizer(self, tokenizer: Any) -> None:
         """Adopt a tokenizer, or refuse one other than the tokenizer this trie was built with."""
-        from .triefile import tokenizer_fingerprint
-
         fingerprint = tokenizer_fingerprint(tokenizer)
         with self._lock:
             if self.tokenizer_id is None:
@@ -203,10 +207,11 @@ class TokenTrie:
         """Best-first draft tree below the longest matched tail of `context`.
 
         The prompt store of `request` and the shared index are searched together: a
-        candidate's score is its pooled count over its parent's pooled count, times its
-        parent's score. Nodes are taken in order of their chance of acceptance: the score
-        itself, or the product along the path of `chance(source flags, count ratio, parent
-        is a draft node)` when the caller has learned better (the adaptive policy). At most
+        candidate's ratio is its pooled count over its parent's pooled count; the product of
+        ratios along a path estimates the chance the path is accepted. Nodes are taken in
+        order of that chance, or of the product along the path of `chance(source flags,
+        count ratio, parent is a draft node)` when the caller has learned better (the
+        adaptive policy). At most
         `budget` nodes, `max_depth` deep; with `branching` off, a single path (for models
         that cannot take a tree mask). The work done is bounded by the budget times
         SCAN_CHILDREN, whatever the trie's size.
@@ -245,15 +250,13 @@ class TokenTrie:
     ) -> DraftTree:  # fmt: skip
         tokens: list[int] = []
         parents: list[int] = []
-        scores: list[float] = []
+        ratios: list[float] = []
         sources: list[int] = []
-        # heap entries: (-path chance, tie-break, token, parent block index, depth, trie score, flags, store nodes)
+        # heap entries: (-path chance, tie-break, token, parent block index, depth, count ratio, flags, store nodes)
         heap: list[tuple[float, int, int, int, int, float, int, list[tuple[NgramStore, int]]]] = []
         counter = 0
 
-        def push_children(
-            nodes: list[tuple[NgramStore, int]], parent: int, path_chance: float, score: float, depth: int
-        ) -> None:
+        def push_children(nodes: list[tuple[NgramStore, int]], parent: int, path_chance: float, depth: int) -> None:
             nonlocal counter
             total = sum(store.count[node] for store, node in nodes)
             pooled: dict[int, list[tuple[NgramStore, int]]] = {}
@@ -273,19 +276,19 @@ class TokenTrie:
                 child_chance = path_chance * (ratio if chance is None else chance(flags, ratio, parent > 0))
                 if child_chance > min_score:
                     counter += 1
-                    entry = (-child_chance, counter, token, parent, depth, score * ratio, flags, pooled[token])
+                    entry = (-child_chance, counter, token, parent, depth, ratio, flags, pooled[token])
                     heapq.heappush(heap, entry)
 
-        push_children(start, 0, 1.0, 1.0, 1)
+        push_children(start, 0, 1.0, 1)
         while heap and len(tokens) < budget:
-            neg_chance, _, token, parent, depth, score, flags, nodes = heapq.heappop(heap)
+            neg_chance, _, token, parent, depth, ratio, flags, nodes = heapq.heappop(heap)
             tokens.append(token)
             parents.append(parent)
-            scores.append(score)
+            ratios.append(ratio)
             sources.append(flags)
             if depth < max_depth:
-                push_children(nodes, len(tokens), -neg_chance, score, depth + 1)
-        return DraftTree(tokens, parents, scores, sources)
+                push_children(nodes, len(tokens), -neg_chance, depth + 1)
+        return DraftTree(tokens, parents, ratios, sources)
 
     # ---- introspection ----------------------------------------------------------------
 
@@ -324,18 +327,16 @@ class TokenTrie:
 
     def save(self, path: str | PathLike[str]) -> None:
         """Write the shared index to `path` atomically (see triefile for the format)."""
-        from .triefile import write_trie
-
         with self._lock:
-            settings = {
-                "ngram_length": self.ngram_length,
-                "boundary_ids": sorted(self.boundary_ids),
-                "max_nodes": self.max_nodes,
-                "half_life": self.half_life,
-                "age": self._age,
-                "tokens_learned": self._learned,
-                "tokenizer_id": self.tokenizer_id,
-            }
+            settings = TrieSettings(
+                ngram_length=self.ngram_length,
+                boundary_ids=sorted(self.boundary_ids),
+                max_nodes=self.max_nodes,
+                half_life=self.half_life,
+                age=self._age,
+                tokens_learned=self._learned,
+                tokenizer_id=self.tokenizer_id,
+            )
             columns = self._shared.export()
         write_trie(path, columns, settings)
 
@@ -346,22 +347,20 @@ class TokenTrie:
         `max_nodes` overrides the saved budget (None: no budget); a file larger than the
         budget is trimmed by eviction on load.
         """
-        from .triefile import read_trie
-
         columns, settings = read_trie(path)
         try:
             trie = cls(
-                settings["ngram_length"],
-                settings["boundary_ids"],
-                settings["max_nodes"] if max_nodes == "saved" else max_nodes,
-                settings["half_life"],
+                settings.ngram_length,
+                settings.boundary_ids,
+                settings.max_nodes if max_nodes == "saved" else max_nodes,
+                settings.half_life,
             )
             trie._shared = NgramStore.from_columns(columns)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{path}: malformed trie file ({err})") from err
-        trie._age = float(settings["age"])
-        trie._learned = int(settings["tokens_learned"])
-        trie.tokenizer_id = settings["tokenizer_id"]
+        trie._age = float(settings.age)
+        trie._learned = int(settings.tokens_learned)
+        trie.tokenizer_id = settings.tokenizer_id
         if trie.max_nodes is not None and len(trie) > trie.max_nodes:
             trie._evict(trie.max_nodes)
         return trie

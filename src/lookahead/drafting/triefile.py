@@ -15,6 +15,7 @@ import json
 import os
 import struct
 import tempfile
+from dataclasses import asdict, dataclass, fields
 from os import PathLike
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,20 @@ MAGIC = b"LKATRIE\x00"
 VERSION = 1
 _PREFIX = struct.Struct("<8sIQ32s")
 _COLUMNS = {"token": np.int32, "parent": np.int32, "count": np.int64, "weight": np.float64, "source": np.uint8}
-_SETTINGS = ("ngram_length", "boundary_ids", "max_nodes", "half_life", "age", "tokens_learned", "tokenizer_id")
+
+
+@dataclass(frozen=True)
+class TrieSettings:
+    """What a trie file records besides its node columns (the file's metadata)."""
+
+    ngram_length: int
+    boundary_ids: list[int]
+    max_nodes: int | None
+    half_life: float | None
+    age: float
+    """Tokens learned since the decayed weights were last rescaled."""
+    tokens_learned: int
+    tokenizer_id: str | None
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -34,12 +48,12 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
 
 
-def write_trie(path: str | PathLike[str], columns: dict[str, np.ndarray], settings: dict[str, Any]) -> None:
+def write_trie(path: str | PathLike[str], columns: dict[str, np.ndarray], settings: TrieSettings) -> None:
     """Write atomically: readers see the old file or the complete new one, never a part."""
     from safetensors.numpy import save
 
     arrays = {name: np.ascontiguousarray(columns[name], dtype=dtype) for name, dtype in _COLUMNS.items()}
-    payload = save(arrays, metadata={"lookahead-trie": json.dumps(settings)})
+    payload = save(arrays, metadata={"lookahead-trie": json.dumps(asdict(settings))})
     target = Path(path)
     fd, scratch = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent or ".")
     try:
@@ -54,7 +68,7 @@ def write_trie(path: str | PathLike[str], columns: dict[str, np.ndarray], settin
         raise
 
 
-def read_trie(path: str | PathLike[str]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def read_trie(path: str | PathLike[str]) -> tuple[dict[str, np.ndarray], TrieSettings]:
     """Columns and settings of a trie file; ValueError, saying what is wrong, for any unsound file."""
     data = Path(path).read_bytes()
     if len(data) < _PREFIX.size or not data.startswith(MAGIC):
@@ -73,14 +87,14 @@ def read_trie(path: str | PathLike[str]) -> tuple[dict[str, np.ndarray], dict[st
         raise ValueError(f"{path}: malformed trie file ({err})") from err
 
 
-def _parse(payload: bytes) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def _parse(payload: bytes) -> tuple[dict[str, np.ndarray], TrieSettings]:
     from safetensors import SafetensorError
     from safetensors.numpy import load
 
     (header_length,) = struct.unpack_from("<Q", payload)
     header = json.loads(payload[8 : 8 + header_length])
     settings = json.loads(header["__metadata__"]["lookahead-trie"])
-    if set(settings) != set(_SETTINGS):
+    if not isinstance(settings, dict) or set(settings) != {f.name for f in fields(TrieSettings)}:
         raise ValueError("unexpected settings")
     try:
         arrays = load(payload)
@@ -88,4 +102,4 @@ def _parse(payload: bytes) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         raise ValueError(str(err)) from err
     if set(arrays) != set(_COLUMNS) or any(arrays[n].dtype != d or arrays[n].ndim != 1 for n, d in _COLUMNS.items()):
         raise ValueError("unexpected columns")
-    return arrays, settings
+    return arrays, TrieSettings(**settings)

@@ -119,9 +119,6 @@ class NgramStore:
                 return None
         return node
 
-    def child(self, node: int, token: int) -> int | None:
-        return self.index.get(node << TOKEN_BITS | token)
-
     def children(self, node: int) -> Iterator[tuple[int, int]]:
         """(token, child) pairs below `node`, most recently seen first."""
         tokens, following = self.token, self.next

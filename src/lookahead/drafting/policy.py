@@ -1,4 +1,4 @@
-"""What each step drafts: one request's view of the trie, and how many nodes the step is worth.
+"""How many draft nodes a step is worth, and which: the cost model and the learned acceptance.
 
 A draft node costs compute whether or not it is accepted. On a GPU a forward pass over 64
 tokens costs about one plain step; on a CPU it costs three or four. So the adaptive policy
@@ -12,8 +12,8 @@ predicted millisecond, which may be no draft at all.
   verification by where the node's n-gram was seen and the trie's count ratio (Calibration),
   engine-wide and per request; a node's chance is the product along its path.
 
-The engine and the offline replay both draft through DraftSession, so a replay predicts the
-real run exactly.
+The engine and the offline replay both draft through the same trie drafter (drafter.py) and
+the same step, so a replay predicts the real run exactly.
 """
 
 from __future__ import annotations
@@ -24,10 +24,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from .config import LookaheadConfig
-from .draft import DraftTree
 from .ngrams import OUTPUT, PROMPT
-from .trie import TokenTrie
+from .tree import DraftTree
 
 
 class CostModel:
@@ -110,10 +108,8 @@ class Calibration:
     @classmethod
     def cells(cls, tree: DraftTree) -> np.ndarray:
         """The cell of every node of `tree`."""
-        scores = [1.0, *tree.scores]
-        nodes = zip(tree.sources, tree.scores, tree.parents, strict=True)
-        cells = [cls.cell(flags, score / scores[parent], parent > 0) for flags, score, parent in nodes]
-        return np.array(cells, dtype=np.int64)
+        nodes = zip(tree.sources, tree.ratios, tree.parents, strict=True)
+        return np.array([cls.cell(flags, ratio, parent > 0) for flags, ratio, parent in nodes], dtype=np.int64)
 
     def rates(self, prior: np.ndarray) -> np.ndarray:
         with self._lock:
@@ -181,6 +177,11 @@ class DraftPolicy:
     def adaptive(self) -> bool:
         return self.cost is not None
 
+    @staticmethod
+    def request_calibration() -> Calibration:
+        """A new request's own rates, which start from the engine's."""
+        return Calibration(REQUEST_PRIOR_WEIGHT)
+
     def rates(self, request: Calibration) -> np.ndarray:
         """Per cell, the chance a node is accepted once its parent is, as `request` should expect it."""
         return request.rates(self.calibration.rates(TRIE_PRIOR))
@@ -206,43 +207,3 @@ class DraftPolicy:
         request.record(*observed)
         if milliseconds is not None:
             self.cost.observe(len(tree) + 1, milliseconds)
-
-
-class DraftSession:
-    """One request's drafting: its prompt n-grams in, its outputs learned, all released at close."""
-
-    def __init__(
-        self, trie: TokenTrie, config: LookaheadConfig, prompt: Sequence[int], policy: DraftPolicy | None = None
-    ) -> None:
-        self.trie = trie
-        self.config = config
-        self.policy = policy or DraftPolicy()
-        self.request = object()
-        self.calibration = Calibration(REQUEST_PRIOR_WEIGHT)
-        trie.insert(prompt, request=self.request)
-
-    def propose(self, sequence: Sequence[int], remaining: int, branching: bool) -> DraftTree:
-        """Draft for the step whose root is `sequence[-1]`, with `remaining` tokens still allowed."""
-        config, policy = self.config, self.policy
-        rates = policy.rates(self.calibration).tolist() if policy.adaptive else None
-        tree = self.trie.retrieve(
-            sequence,
-            config.decoding_length,
-            min(config.branch_length, remaining - 1),  # the bonus token takes the last place
-            request=self.request,
-            match_length=config.match_length,
-            branching=branching,
-            min_score=config.min_score,
-            chance=None if rates is None else lambda flags, ratio, deep: rates[Calibration.cell(flags, ratio, deep)],
-        )
-        return tree if rates is None else policy.choose(tree, np.asarray(rates))
-
-    def verified(self, tree: DraftTree, accepted: Sequence[int], milliseconds: float | None = None) -> None:
-        """What verification made of the draft: feeds the policy's calibration and cost model."""
-        self.policy.feedback(tree, accepted, milliseconds, self.calibration)
-
-    def learn(self, tokens: Sequence[int]) -> None:
-        self.trie.observe(self.request, tokens)
-
-    def close(self) -> None:
-        self.trie.finish(self.request)

@@ -1,0 +1,117 @@
+"""Does this model honour a custom tree mask? Checked once, by comparison with sequential decoding.
+
+Some architectures derive positions or biases from a 2-D padding mask (OPT, ALiBi models)
+and silently misread a 4-D one. Rather than keep a list of names, we run a tiny tree through
+the model and compare every node's logits with the plain causal computation of its path.
+A model that fails gets single-path drafts (or none), with a warning that says why.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Literal
+
+import torch
+
+from ..drafting.tree import DraftTree
+from .forward import ModelForward
+from .kvcache import keep_accepted
+
+DraftMode = Literal["tree", "chain", "off"]
+
+# root r; nodes a, b under r; c under a; d under c: paths r-a-c-d and r-b.
+_TREE = DraftTree(tokens=[11, 12, 13, 14], parents=[0, 0, 1, 3])
+_CHAIN = DraftTree(tokens=[11, 13, 14], parents=[0, 1, 2])
+_PREFIX = [5, 6, 7, 8, 9, 10]
+_ROOT = 4
+_NEXT = 15
+
+
+def _gap(got: torch.Tensor, want: torch.Tensor) -> float | None:
+    """The largest logit difference if it is beyond float noise for the dtype, else None."""
+    tolerance = 1e-3 if got.dtype == torch.float32 else 5e-2
+    scale = max(1.0, float(want.abs().max()))
+    gap = float((got.float() - want.float()).abs().max())
+    return gap if gap > tolerance * scale else None
+
+
+def _plain_logits(forward: ModelForward, tokens: list[int]) -> torch.Tensor:
+    """Logits of a fresh causal forward over `tokens`."""
+    return forward(forward.new_cache(), tokens, 0)
+
+
+def _mismatch(forward: ModelForward, tree: DraftTree) -> str | None:
+    """Why the tree's logits (or the compacted cache) differ from plain decoding; None if they do not."""
+    vocab = forward.vocab_size
+    tokens = [t % vocab for t in tree.tokens]
+    tree = DraftTree(tokens, tree.parents)
+    prefix = [t % vocab for t in _PREFIX]
+    root, nxt = _ROOT % vocab, _NEXT % vocab
+    with torch.inference_mode():
+        cache = forward.new_cache()
+        forward(cache, prefix, 0)
+        got = forward(cache, [root, *tokens], len(prefix), tree)
+        block_paths: list[list[int]] = [[root]]
+        for token, parent in zip(tokens, tree.parents, strict=True):
+            block_paths.append([*block_paths[parent], token])
+        for index, path in enumerate(block_paths):
+            if (gap := _gap(got[index], _plain_logits(forward, prefix + path)[-1])) is not None:
+                return f"logits at draft node {index} differ from sequential decoding by {gap:.3g}"
+        kept = max(range(len(block_paths)), key=lambda i: len(block_paths[i]))
+        accepted = _ancestors(tree, kept)
+        keep_accepted(cache, len(tokens) + 1, accepted)
+        got_next = forward(cache, [nxt], len(prefix) + len(accepted) + 1)[-1]
+        want_next = _plain_logits(forward, prefix + block_paths[kept] + [nxt])[-1]
+        if (gap := _gap(got_next, want_next)) is not None:
+            return f"the step after compacting the cache differs from sequential decoding by {gap:.3g}"
+    return None
+
+
+def _ancestors(tree: DraftTree, index: int) -> list[int]:
+    """Block indices from the root's child down to `index`."""
+    path = []
+    while index:
+        path.append(index)
+        index = tree.parents[index - 1]
+    return path[::-1]
+
+
+def check_cached_decoding(forward: ModelForward) -> None:
+    """Raise if a cached step differs from a fresh forward: plain decoding itself would be wrong.
+
+    This catches a model (or transformers version) that silently ignores the cache it is given.
+    """
+    vocab = forward.vocab_size
+    prefix, root = [t % vocab for t in _PREFIX], _ROOT % vocab
+    with torch.inference_mode():
+        cache = forward.new_cache()
+        forward(cache, prefix, 0)
+        got = forward(cache, [root], len(prefix))[-1]
+        want = _plain_logits(forward, [*prefix, root])[-1]
+    if _gap(got, want) is not None:
+        raise RuntimeError(
+            f"{type(forward.model).__name__} does not continue from the cache the engine passes it: "
+            "this model or transformers version is not supported"
+        )
+
+
+def probe_draft_mode(forward: ModelForward) -> DraftMode:
+    """'tree' if branching drafts verify exactly, else 'chain' if single paths do, else 'off'.
+
+    A fallback warns with the reason, so a model that loses tree drafts never does so silently.
+    """
+    name = type(forward.model).__name__
+    reasons = []
+    for mode, tree in (("tree", _TREE), ("chain", _CHAIN)):
+        try:
+            reason = _mismatch(forward, tree)
+        except Exception as err:  # a model may refuse a 4-D mask outright: that too means "not this mode"
+            reason = f"{type(err).__name__}: {err}"
+        if reason is None:
+            if reasons:
+                warnings.warn(f"{name}: tree drafts fall back to single paths ({reasons[0]})", stacklevel=3)
+            return mode  # type: ignore[return-value]
+        reasons.append(reason)
+    warnings.warn(f"{name}: drafting is off, this model verifies neither trees ({reasons[0]}) nor paths "
+                  f"({reasons[1]}); decoding is plain", stacklevel=3)  # fmt: skip
+    return "off"

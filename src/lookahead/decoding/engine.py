@@ -1,0 +1,229 @@
+"""LookaheadEngine: the public face of decoding — generate, stream, chat — over one model and one trie.
+
+The engine checks each request, builds its Generation and runs the step loop
+(decoding/step.py) through its model verifier; drafts come from the trie drafter
+(drafting/drafter.py). With `use_lookahead=False` the same loop runs without a drafter,
+which is plain greedy decoding (the baseline of every speedup).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+
+from transformers import LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
+
+from ..config import LookaheadConfig
+from ..drafting.drafter import TrieDrafting
+from ..drafting.policy import DraftPolicy
+from ..drafting.trie import TokenTrie
+from ..models import eos_ids
+from .capability import DraftMode, check_cached_decoding, probe_draft_mode
+from .costs import cost_model
+from .forward import ModelForward
+from .generation import Generation, GenerationOutput
+from .sampling import SamplingParams, TokenChooser
+from .step import Verifier, decode
+from .transcript import Transcript, stop_strings
+from .verifier import ModelVerifier
+
+# Generation-config settings that change which token greedy `generate()` picks; the engine applies
+# only the options passed to it, so it warns instead of silently differing from `generate()`.
+_GREEDY_CHANGING = ("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "min_length", "bad_words_ids",
+                    "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id",
+                    "sequence_bias")  # fmt: skip
+
+
+def _unsupported_settings(model: PreTrainedModel) -> list[str]:
+    config = model.generation_config
+    neutral = {"repetition_penalty": 1.0, "min_length": 0}
+    return [name for name in _GREEDY_CHANGING if getattr(config, name, None) not in (None, neutral.get(name), [], {})]
+
+
+class TextStream:
+    """Text deltas of one generation as its tokens are accepted; `.output` once it is exhausted."""
+
+    def __init__(self, steps: Iterator[list[int]], generation: Generation) -> None:
+        self.output: GenerationOutput | None = None
+        self._deltas = self._run(steps, generation)
+
+    def _run(self, steps: Iterator[list[int]], generation: Generation) -> Iterator[str]:
+        for _ in steps:
+            if piece := generation.transcript.delta():
+                yield piece
+        self.output = generation.output()
+
+    def __iter__(self) -> TextStream:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._deltas)
+
+    def close(self) -> None:
+        """End the generation now (its engine is free for the next request)."""
+        self._deltas.close()
+
+
+class LookaheadEngine:
+    """Lossless lookahead decoding for an unmodified transformers causal LM.
+
+    The model is put in eval mode (dropout would make outputs random). One forward pass runs
+    at a time, so several threads may share an engine and its trie.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase | None,
+        config: LookaheadConfig | None = None,
+        trie: TokenTrie | None = None,
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = config = config or LookaheadConfig()
+        self.eos_ids = eos_ids(model.generation_config, tokenizer)
+        if unsupported := _unsupported_settings(model):
+            warnings.warn(
+                f"the model's generation config sets {', '.join(unsupported)}, which model.generate() applies by "
+                "default; the engine applies only the options passed to it (or use lookahead.hf.generate)",
+                stacklevel=2,
+            )
+        trie = trie if trie is not None else TokenTrie.from_config(config, self.eos_ids)
+        if tokenizer is not None:
+            trie.bind_tokenizer(tokenizer)  # a trie saved with another tokenizer is refused here
+        self.forward = ModelForward(model)
+        check_cached_decoding(self.forward)
+        self.draft_mode: DraftMode = probe_draft_mode(self.forward)
+        adaptive = config.policy == "adaptive" and self.draft_mode != "off"
+        self.drafting = TrieDrafting.from_config(
+            config, self.eos_ids, cost_model(self.forward) if adaptive else None, trie
+        )
+        self.verifier: Verifier = ModelVerifier(self.forward, self.draft_mode, config.decoding_length)
+        """What the step verifies drafts with: the model (replaceable, e.g. to price steps by a cost model)."""
+        self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
+
+    @property
+    def trie(self) -> TokenTrie:
+        """The shared trie every request drafts from and teaches."""
+        return self.drafting.trie
+
+    @property
+    def policy(self) -> DraftPolicy:
+        """The engine-wide cost model and acceptance rates."""
+        return self.drafting.policy
+
+    @property
+    def tree_mode(self) -> bool:
+        """True when multi-branch drafts are verified; else single-path drafts (or none)."""
+        return self.draft_mode == "tree"
+
+    @property
+    def device(self):
+        return self.forward.device
+
+    # ---- public API ------------------------------------------------------------------------
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of `prompt` (text is tokenized as is; ids are checked against the vocabulary)."""
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer: this engine has none, pass token ids")
+        ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if bad := [t for t in ids if not 0 <= t < vocab]:
+            raise ValueError(f"token ids outside the vocabulary of {vocab}: {bad[:5]}")
+        return ids
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation in the tokenizer's chat template, ready for the reply."""
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise ValueError("this tokenizer has no chat template: pass the prompt text or ids instead")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+        return [int(t) for t in ids]
+
+    def generate(
+        self, prompt: str | Sequence[int], max_new_tokens: int = 128, use_lookahead: bool = True, **options
+    ) -> GenerationOutput:
+        """The continuation of `prompt`, token for token what plain decoding gives.
+
+        Greedy by default. `options`: do_sample, temperature (0 = greedy), top_k, top_p, min_p,
+        repetition_penalty, seed (same seed, same output, with or without lookahead), stop (a
+        string or list: the text ends before the first), stop_token_ids, logits_processor (a
+        transformers LogitsProcessorList used instead of the sampling settings), on_tokens
+        (called with each step's new tokens).
+        """
+        generation = self.prepare(prompt, max_new_tokens, **options)
+        for _ in self._steps(generation, use_lookahead):
+            pass
+        return generation.output()
+
+    def stream(
+        self, prompt: str | Sequence[int], max_new_tokens: int = 128, use_lookahead: bool = True, **options
+    ) -> TextStream:
+        """Text deltas as tokens are accepted (same options as `generate`); never half a character.
+
+        The arguments are checked here, before the first step. Closing the stream early ends
+        the generation; once it is exhausted, `.output` holds what `generate` would return.
+        """
+        generation = self.prepare(prompt, max_new_tokens, **options)
+        return TextStream(self._steps(generation, use_lookahead), generation)
+
+    def chat(
+        self, messages: list[dict[str, str]], max_new_tokens: int = 128, use_lookahead: bool = True, **options
+    ) -> GenerationOutput:
+        """The assistant's reply to `messages` in the tokenizer's chat template (options as `generate`)."""
+        return self.generate(self.chat_ids(messages), max_new_tokens, use_lookahead, **options)
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def _steps(self, generation: Generation, use_lookahead: bool) -> Iterator[list[int]]:
+        drafting = self.drafting if use_lookahead and self.draft_mode != "off" else None
+        return decode(generation, self.verifier, drafting)
+
+    def prepare(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        logits_processor: LogitsProcessorList | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> Generation:
+        """A checked Generation of `prompt`, ready for the step loop (options as `generate`).
+
+        Every argument is validated here, before any model work, so a request that waited for
+        its turn cannot then fail on its input.
+        """
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        ids = self.encode(prompt)
+        if self.max_positions and len(ids) + max_new_tokens > self.max_positions:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                f"model's context of {self.max_positions} tokens"
+            )
+        params = SamplingParams(do_sample, temperature, top_k, top_p, min_p, repetition_penalty, seed)
+        if logits_processor is not None and params != SamplingParams(do_sample, seed=seed):
+            raise ValueError("pass either logits_processor or sampling settings, not both")
+        processors = params.processors() if logits_processor is None else logits_processor
+        stops = stop_strings(stop)
+        tokenizer = self.tokenizer
+        if stops and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: this engine has none")
+        extra = [int(t) for t in stop_token_ids or ()]
+        vocab = self.model.config.vocab_size
+        if bad := [t for t in extra if not 0 <= t < vocab]:
+            raise ValueError(f"stop_token_ids outside the vocabulary of {vocab}: {bad[:5]}")
+        decode_text = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer else (lambda ids: "")
+        transcript = Transcript(decode_text, max_new_tokens, self.eos_ids | frozenset(extra), stops)
+        chooser = TokenChooser(processors, params.sampled, seed)
+        return Generation(ids, max_new_tokens, transcript, chooser, on_tokens)

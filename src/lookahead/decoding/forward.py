@@ -1,0 +1,61 @@
+"""The one call into the model: a block of tokens after the cached ones, with the mask its draft needs.
+
+Everything else in decoding reaches the model through a `ModelForward`, so how transformers
+wants to be called (the cache keyword, `logits_to_keep`) is settled here once, at start.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Sequence
+
+import torch
+from transformers import Cache, PreTrainedModel
+
+from ..drafting.tree import DraftTree
+from .kvcache import new_cache
+from .masks import causal_inputs, tree_mask, tree_positions
+
+
+class ModelForward:
+    """Forward passes of one unmodified transformers causal LM; one at a time, from any thread."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.config = model.config
+        self.device = next(model.parameters()).device
+        accepted = inspect.signature(model.forward).parameters
+        self._takes_logits_to_keep = "logits_to_keep" in accepted
+        # transformers renamed `past_key_values` to `cache` during 5.x; an unknown name is silently ignored
+        self._cache_keyword = "cache" if "cache" in accepted else "past_key_values"
+        self._lock = threading.Lock()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def new_cache(self) -> Cache:
+        return new_cache(self.model)
+
+    def __call__(
+        self, cache: Cache, block: Sequence[int], past: int, tree: DraftTree | None = None, last_only: bool = False
+    ) -> torch.Tensor:
+        """Logits (len(block), vocab) for `block` after `past` cached tokens (only the last with `last_only`).
+
+        A branching `tree` gets its 4-D mask and depth-based positions; a chain (or no draft)
+        the ordinary causal mask.
+        """
+        device = self.device
+        ids = torch.tensor([list(block)], dtype=torch.long, device=device)
+        kwargs: dict = {"input_ids": ids, self._cache_keyword: cache, "use_cache": True}
+        if tree is not None and not tree.is_chain:
+            kwargs["attention_mask"] = tree_mask(tree, past, self.model.dtype, device)
+            kwargs["position_ids"] = tree_positions(tree, past, device)
+        else:
+            kwargs["attention_mask"], kwargs["position_ids"] = causal_inputs(past, len(block), device)
+        if last_only and self._takes_logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        with self._lock:
+            logits = self.model(**kwargs).logits[0]
+        return logits[-1:] if last_only else logits

@@ -1,0 +1,117 @@
+"""One decoding step over a list of generations, and the loop around it.
+
+A step asks each generation's drafter for a draft tree, hands all the trees to a Verifier
+in one call, tells each drafter what was kept, and appends the emitted tokens up to the
+first stop. The Verifier is the only part that differs between a real run (the model:
+decoding/verifier.py) and the offline replay (the recorded outputs: bench/replay.py), so the
+two cannot drift apart. Nothing here touches torch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple, Protocol
+
+from ..drafting.drafter import Drafting
+from ..drafting.policy import CostModel
+from ..drafting.tree import DraftTree
+from .generation import Generation
+
+
+class Verdict(NamedTuple):
+    """What verification made of one generation's draft."""
+
+    accepted: list[int]
+    """Block indices of the accepted draft nodes, from the root's child down."""
+    emitted: list[int]
+    """The accepted tokens, then the model's own token where the walk stopped."""
+
+
+class Verifier(Protocol):
+    """The model's side of a step, for a list of generations at once."""
+
+    def prefill(self, generations: Sequence[Generation]) -> list[int]:
+        """Read each prompt; the first new token of each generation."""
+        ...
+
+    def verify(self, generations: Sequence[Generation], trees: Sequence[DraftTree]) -> tuple[list[Verdict], float]:
+        """Each generation's verdict on its tree, and the milliseconds the model's work took."""
+        ...
+
+    def may_branch(self, generation: Generation) -> bool:
+        """True if a branching tree can be verified at this generation's next step (else one path)."""
+        ...
+
+
+def start(generations: Sequence[Generation], verifier: Verifier) -> list[list[int]]:
+    """Prefill: each generation's first token, kept."""
+    firsts = verifier.prefill(generations)
+    return [generation.take([token]) for generation, token in zip(generations, firsts, strict=True)]
+
+
+def step(generations: Sequence[Generation], verifier: Verifier) -> list[list[int]]:
+    """Draft → verify → keep, once for every generation; the tokens each one kept."""
+    trees = [_propose(generation, verifier) for generation in generations]
+    verdicts, milliseconds = verifier.verify(generations, trees)
+    kept = []
+    for generation, tree, (accepted, emitted) in zip(generations, trees, verdicts, strict=True):
+        stats = generation.stats
+        if generation.drafter is not None:
+            clock = time.perf_counter()
+            generation.drafter.verified(tree, accepted, milliseconds)
+            stats.draft_s += time.perf_counter() - clock
+        stats.steps += 1
+        stats.draft_tokens += len(tree)
+        stats.accepted_histogram[len(accepted)] += 1
+        stats.sent_histogram[len(tree)] += 1
+        kept.append(generation.take(emitted))
+    return kept
+
+
+def _propose(generation: Generation, verifier: Verifier) -> DraftTree:
+    if generation.drafter is None:
+        return DraftTree()
+    clock = time.perf_counter()
+    tree = generation.drafter.propose(generation.tokens, generation.room, verifier.may_branch(generation))
+    generation.stats.draft_s += time.perf_counter() - clock
+    return tree
+
+
+def decode(generation: Generation, verifier: Verifier, drafting: Drafting | None = None) -> Iterator[list[int]]:
+    """Prefill, then steps until the generation is done; yields the tokens kept at each.
+
+    With `drafting`, a drafter is opened for the generation and closed however the loop ends
+    (exhausted, or closed early by the caller); without, this is plain decoding.
+    """
+    generation.drafter = drafting.open(generation.prompt) if drafting is not None else None
+    try:
+        yield start([generation], verifier)[0]
+        while not generation.done:
+            yield step([generation], verifier)[0]
+    finally:
+        if generation.drafter is not None:
+            generation.drafter.close()
+        generation.cache = None
+
+
+class Priced:
+    """A verifier whose steps are reported to take what `cost` predicts, not what the clock says.
+
+    Replay prices its steps so; a real run priced the same way makes the adaptive policy take
+    exactly the replay's decisions, which is how the two are tested against each other.
+    """
+
+    def __init__(self, verifier: Verifier, cost: CostModel) -> None:
+        self.verifier = verifier
+        self.cost = cost
+
+    def prefill(self, generations: Sequence[Generation]) -> list[int]:
+        return self.verifier.prefill(generations)
+
+    def verify(self, generations: Sequence[Generation], trees: Sequence[DraftTree]) -> tuple[list[Verdict], float]:
+        verdicts, _ = self.verifier.verify(generations, trees)
+        return verdicts, sum(self.cost.predict(len(tree) + 1) for tree in trees)
+
+    def may_branch(self, generation: Generation) -> bool:
+        return self.verifier.may_branch(generation)

@@ -1,0 +1,109 @@
+"""The drafting seam: what a step asks of a drafter, and the trie drafter that answers.
+
+A `Drafter` serves one request: it proposes a draft tree before each step, hears what
+verification made of it, learns the tokens the request kept, and is closed when the request
+ends. A `Drafting` is engine-wide and opens one drafter per request. The decoding step knows
+only these two protocols, so another draft source (a suffix index, a draft model) plugs in
+without touching decoding; the trie drafter is the one we ship.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from ..config import LookaheadConfig
+from .policy import Calibration, CostModel, DraftPolicy
+from .tree import DraftTree
+from .trie import TokenTrie
+
+
+class Drafter(Protocol):
+    """One request's draft source."""
+
+    def propose(self, context: Sequence[int], room: int, branching: bool) -> DraftTree:
+        """The draft for the step whose root is `context[-1]`; `room` tokens may still be emitted.
+
+        `branching` False asks for a single path (the model cannot verify a tree here).
+        """
+        ...
+
+    def verified(self, tree: DraftTree, accepted: Sequence[int], milliseconds: float | None) -> None:
+        """What verification kept of `tree` (block indices) and what the step cost."""
+        ...
+
+    def learn(self, tokens: Sequence[int]) -> None:
+        """Tokens the request kept, in order (what a stop discarded is never passed)."""
+        ...
+
+    def close(self) -> None:
+        """The request ended: release what belongs to it."""
+        ...
+
+
+class Drafting(Protocol):
+    """Engine-wide drafting state: opens one drafter per request."""
+
+    def open(self, prompt: Sequence[int]) -> Drafter: ...
+
+
+class TrieDrafter:
+    """One request's view of the shared trie: its prompt n-grams in, its outputs learned, released at close."""
+
+    def __init__(self, trie: TokenTrie, config: LookaheadConfig, policy: DraftPolicy, prompt: Sequence[int]) -> None:
+        self.trie = trie
+        self.config = config
+        self.policy = policy
+        self.request = object()
+        self.calibration = policy.request_calibration()
+        trie.insert(prompt, request=self.request)
+
+    def propose(self, context: Sequence[int], room: int, branching: bool) -> DraftTree:
+        config, policy = self.config, self.policy
+        rates = policy.rates(self.calibration).tolist() if policy.adaptive else None
+        tree = self.trie.retrieve(
+            context,
+            config.decoding_length,
+            min(config.branch_length, room - 1),  # the bonus token takes the last place
+            request=self.request,
+            match_length=config.match_length,
+            branching=branching,
+            min_score=config.min_score,
+            chance=None if rates is None else lambda flags, ratio, deep: rates[Calibration.cell(flags, ratio, deep)],
+        )
+        return tree if rates is None else policy.choose(tree, np.asarray(rates))
+
+    def verified(self, tree: DraftTree, accepted: Sequence[int], milliseconds: float | None) -> None:
+        self.policy.feedback(tree, accepted, milliseconds, self.calibration)
+
+    def learn(self, tokens: Sequence[int]) -> None:
+        self.trie.observe(self.request, tokens)
+
+    def close(self) -> None:
+        self.trie.finish(self.request)
+
+
+class TrieDrafting:
+    """The shared trie, the engine-wide policy and the limits of a LookaheadConfig."""
+
+    def __init__(self, config: LookaheadConfig, trie: TokenTrie, policy: DraftPolicy) -> None:
+        self.config = config
+        self.trie = trie
+        self.policy = policy
+
+    @classmethod
+    def from_config(
+        cls,
+        config: LookaheadConfig,
+        boundary_ids: Iterable[int],
+        cost: CostModel | None = None,
+        trie: TokenTrie | None = None,
+    ) -> TrieDrafting:
+        """Drafting as `config` says: a new trie unless one is given; `cost` is used by the adaptive policy only."""
+        trie = trie if trie is not None else TokenTrie.from_config(config, boundary_ids)
+        return cls(config, trie, DraftPolicy(cost if config.policy == "adaptive" else None))
+
+    def open(self, prompt: Sequence[int]) -> TrieDrafter:
+        return TrieDrafter(self.trie, self.config, self.policy, prompt)

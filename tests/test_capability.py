@@ -1,0 +1,68 @@
+"""The capability probe: which drafts a model verifies exactly, and a warning whenever it falls back."""
+
+import functools
+import warnings
+
+import pytest
+from tiny_models import tiny_model
+
+from lookahead import LookaheadConfig, LookaheadEngine
+from lookahead.decoding.capability import probe_draft_mode
+from lookahead.decoding.forward import ModelForward
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _patched(forward_of):
+    """A tiny Llama whose forward is wrapped by `forward_of(original)`."""
+    model = tiny_model("llama")
+    model.forward = functools.wraps(model.forward)(forward_of(model.forward))  # keeps the keywords it takes
+    return model
+
+
+def test_a_model_that_takes_tree_masks_probes_as_tree_without_a_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert probe_draft_mode(ModelForward(tiny_model("llama"))) == "tree"
+
+
+def test_a_model_that_misreads_the_tree_mask_falls_back_with_the_reason():
+    def causal_only(forward):
+        def run(*args, attention_mask=None, **kwargs):
+            if attention_mask is not None and attention_mask.dim() == 4:
+                attention_mask = None  # silently ignores the tree: every node sees every earlier block entry
+            return forward(*args, attention_mask=attention_mask, **kwargs)
+
+        return run
+
+    with pytest.warns(UserWarning, match=r"fall back to single paths \(logits at draft node \d+ differ"):
+        assert probe_draft_mode(ModelForward(_patched(causal_only))) == "chain"
+
+
+def test_a_model_that_fails_both_probes_turns_drafting_off_with_both_reasons(tokenizer):
+    def one_token_at_a_time(forward):
+        def run(*args, input_ids=None, **kwargs):
+            if input_ids.shape[1] > 1 and kwargs.get("position_ids") is not None and kwargs["position_ids"][0, 0] > 0:
+                raise RuntimeError("blocks after a cached prefix are not supported")
+            return forward(*args, input_ids=input_ids, **kwargs)
+
+        return run
+
+    with pytest.warns(UserWarning, match="drafting is off.*not supported.*not supported"):
+        engine = LookaheadEngine(_patched(one_token_at_a_time), tokenizer, LookaheadConfig(policy="fixed"))
+    assert engine.draft_mode == "off"
+    out = engine.generate([5, 6, 7, 8], max_new_tokens=6)
+    assert out.stats.draft_tokens == 0 and out.stats.steps == out.stats.new_tokens - 1
+
+
+def test_model_that_ignores_the_cache_is_refused(tokenizer):
+    """A model that drops the cache it is given would decode garbage: refuse it at start."""
+
+    def forgetful(forward):
+        def run(*args, cache=None, past_key_values=None, **kwargs):
+            return forward(*args, **kwargs)
+
+        return run
+
+    with pytest.raises(RuntimeError, match="does not continue from the cache"):
+        LookaheadEngine(_patched(forgetful), tokenizer)

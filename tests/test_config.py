@@ -1,0 +1,32 @@
+"""LookaheadConfig: its checks, and settings read from command-line text."""
+
+import pytest
+
+from lookahead.config import LookaheadConfig
+
+
+def test_config_rejects_bad_settings():
+    for bad in ({"decoding_length": 0}, {"branch_length": -1}, {"match_length": 0}, {"policy": "psychic"},
+                {"min_score": 1.5}):  # fmt: skip
+        with pytest.raises(ValueError, match="LookaheadConfig"):
+            LookaheadConfig(**bad)
+
+
+def test_parse_reads_each_setting_as_its_type():
+    config = LookaheadConfig.parse("trie_max_nodes=100000,trie_half_life=100,min_score=0.25,policy=fixed")
+    assert config.trie_max_nodes == 100_000 and isinstance(config.trie_max_nodes, int)
+    assert config.trie_half_life == 100.0 and isinstance(config.trie_half_life, float)
+    assert config.min_score == 0.25 and config.policy == "fixed"
+    assert LookaheadConfig.parse("trie_max_nodes=none, trie_half_life=None").trie_max_nodes is None
+    assert LookaheadConfig.parse("decoding_length=8").decoding_length == 8
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [("trie_max_nodes=1.5", "trie_max_nodes"), ("trie_half_life=soon", "trie_half_life"),
+     ("decoding_length=none", "decoding_length"), ("colour=3", "colour"), ("branch_length", "branch_length"),
+     ("trie_half_life=-2", "trie_half_life"), ("min_score=nan", "min_score")],
+)  # fmt: skip
+def test_parse_names_the_bad_setting(text, named):
+    with pytest.raises(ValueError, match=named):
+        LookaheadConfig.parse(text)

@@ -1,0 +1,47 @@
+"""The trie drafter: one request's drafts, cut by the engine's policy."""
+
+from test_policy import FLAT, STEEP
+
+from lookahead.config import LookaheadConfig
+from lookahead.drafting.drafter import TrieDrafting
+from lookahead.drafting.policy import CostModel, DraftPolicy
+from lookahead.drafting.tree import DraftTree
+from lookahead.drafting.trie import TokenTrie
+
+
+def test_drafters_cut_the_tree_by_policy():
+    trie = TokenTrie(ngram_length=8)
+    for _ in range(3):
+        trie.insert([1, 2, 3, 4, 5, 6])
+    trie.insert([1, 9, 8, 7])
+    config = LookaheadConfig(decoding_length=8, branch_length=6)
+    fixed = TrieDrafting(config, trie, DraftPolicy()).open([])
+    assert len(fixed.propose([1], 100, branching=True)) == 8
+    steep = TrieDrafting(config, trie, DraftPolicy(STEEP)).open([])
+    assert len(steep.propose([1], 100, branching=True)) == 0
+    flat = TrieDrafting(config, trie, DraftPolicy(FLAT)).open([])
+    tree = flat.propose([1], 100, branching=True)
+    assert len(tree) == 8 and isinstance(tree, DraftTree)
+
+
+def test_drafting_is_built_from_the_config():
+    cost = CostModel({1: 50.0, 64: 60.0})
+    adaptive = TrieDrafting.from_config(LookaheadConfig(branch_length=6, match_length=2), [0], cost)
+    assert adaptive.trie.ngram_length == 8 and adaptive.trie.boundary_ids == {0}
+    assert adaptive.policy.cost is cost
+    fixed = TrieDrafting.from_config(LookaheadConfig(policy="fixed"), [0], cost)
+    assert not fixed.policy.adaptive, "a fixed policy sends the whole tree whatever the cost"
+    shared = TokenTrie(ngram_length=5)
+    assert TrieDrafting.from_config(LookaheadConfig(), [], cost, shared).trie is shared
+
+
+def test_a_drafter_holds_its_prompt_until_closed_and_respects_the_room_left():
+    trie = TokenTrie(ngram_length=8)
+    drafting = TrieDrafting(LookaheadConfig(policy="fixed"), trie, DraftPolicy())
+    drafter = drafting.open([1, 2, 3, 4, 5, 6, 7])
+    assert trie.stats()["live_requests"] == 1
+    assert drafter.propose([9, 1], 100, branching=True).tokens == [2, 3, 4, 5, 6, 7]
+    assert drafter.propose([9, 1], 3, branching=True).tokens == [2, 3], "the bonus token takes the last place"
+    drafter.learn([8, 8, 8])
+    drafter.close()
+    assert trie.stats()["live_requests"] == 0 and trie.stats()["tokens_learned"] == 3

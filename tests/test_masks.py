@@ -1,0 +1,35 @@
+"""Tree masks and positions as the model receives them."""
+
+import numpy as np
+import torch
+
+from lookahead.decoding.masks import causal_inputs, tree_mask, tree_positions
+from lookahead.drafting.tree import DraftTree
+
+
+def test_mask_lets_each_node_see_past_and_its_ancestors_only():
+    tree = DraftTree(tokens=[10, 11, 12], parents=[0, 0, 1])
+    mask = tree_mask(tree, 3, torch.float32, "cpu")
+    assert mask.shape == (1, 1, 4, 7)
+    allowed = (mask[0, 0] == 0).numpy()
+    assert allowed[:, :3].all()
+    expected = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=bool)
+    assert (allowed[:, 3:] == expected).all()
+    assert mask.min() == torch.finfo(torch.float32).min
+
+
+def test_positions_follow_depth():
+    tree = DraftTree(tokens=[10, 11, 12], parents=[0, 0, 1])
+    assert tree_positions(tree, 7, "cpu").tolist() == [[7, 8, 8, 9]]
+
+
+def test_masks_are_built_in_the_dtype_and_on_the_device_asked_for():
+    tree = DraftTree(tokens=[10, 11, 12], parents=[0, 0, 1])
+    mask = tree_mask(tree, 5, torch.bfloat16, "meta")
+    assert mask.device.type == "meta" and mask.dtype == torch.bfloat16 and mask.shape == (1, 1, 4, 9)
+    assert tree_positions(tree, 5, "meta").device.type == "meta"
+
+
+def test_causal_inputs_for_a_chain():
+    mask, positions = causal_inputs(4, 3, "cpu")
+    assert mask.tolist() == [[1] * 7] and positions.tolist() == [[4, 5, 6]]
