@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint models bench bench-sampling bench-full bench-gpu replay replay-full trie-bench loadcheck
+.PHONY: setup run test lint models bench bench-sampling bench-full bench-gpu bench-batch replay replay-full trie-bench loadcheck
 
 setup: $(STAMP)
 
@@ -67,6 +67,10 @@ replay-full: models
 	test -f benchmarks/replay-qwen/qwen2.5-coder-0.5b.jsonl || $(BIN)/lookahead replay --model qwen2.5-coder-0.5b \
 		--record benchmarks/replay-qwen/qwen2.5-coder-0.5b.jsonl --datasets humaneval,gsm8k,mtbench,code-edit,creative --limit 6
 	$(BIN)/lookahead replay benchmarks/replay-qwen/qwen2.5-coder-0.5b.jsonl --sweep --out benchmarks/replay-qwen
+
+# Concurrent streams 1-16: batched lookahead vs batched plain vs transformers' batches (benchmarks/batch-smollm2-135m/).
+bench-batch: setup
+	$(BIN)/python -m lookahead.bench.batchbench --out benchmarks/batch-smollm2-135m
 
 # `lookahead serve` under load: 4 streaming clients for 120 s on loopback, every answer checked: benchmarks/server/.
 loadcheck: setup

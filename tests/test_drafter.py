@@ -15,12 +15,14 @@ def test_drafters_cut_the_tree_by_policy():
         trie.insert([1, 2, 3, 4, 5, 6])
     trie.insert([1, 9, 8, 7])
     config = LookaheadConfig(decoding_length=8, branch_length=6)
-    fixed = TrieDrafting(config, trie, DraftPolicy()).open([])
-    assert len(fixed.propose([1], 100, branching=True)) == 8
-    steep = TrieDrafting(config, trie, DraftPolicy(STEEP)).open([])
-    assert len(steep.propose([1], 100, branching=True)) == 0
-    flat = TrieDrafting(config, trie, DraftPolicy(FLAT)).open([])
-    tree = flat.propose([1], 100, branching=True)
+
+    def sent(policy: DraftPolicy) -> DraftTree:
+        drafting = TrieDrafting(config, trie, policy)
+        return drafting.fit([drafting.open([]).propose([1], 100, branching=True)])[0]
+
+    assert len(sent(DraftPolicy())) == 8
+    assert len(sent(DraftPolicy(STEEP))) == 0
+    tree = sent(DraftPolicy(FLAT))
     assert len(tree) == 8 and isinstance(tree, DraftTree)
 
 

@@ -54,7 +54,22 @@ def test_return_dict_in_generate(model, inputs):
     assert out.sequences.tolist() == plain.tolist()
 
 
+def test_a_left_padded_batch_equals_generate(model, tokenizer):
+    prompts = [PROMPT, "What is 2 + 2?", "Write a haiku about the sea, then explain it line by line."]
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                           tokenize=False) for p in prompts]  # fmt: skip
+    tokenizer.padding_side = "left"
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    assert not bool(batch["attention_mask"].all()), "the rows must differ in length for padding to matter"
+    plain = model.generate(**batch, do_sample=False, max_new_tokens=40)
+    hooked = model.generate(**batch, do_sample=False, max_new_tokens=40, custom_generate=lookahead.hf.generate)
+    assert hooked.tolist() == plain.tolist()
+
+
 def test_unsupported_inputs_are_refused(model, inputs):
     batch = {k: v.repeat(2, 1) for k, v in inputs.items()}
-    with pytest.raises(ValueError, match="one sequence"):
+    batch["attention_mask"][0, -1] = (
+        0  # right padding: generate() itself warns that it is wrong for decoder-only models
+    )
+    with pytest.raises(ValueError, match="left-padded"):
         model.generate(**batch, max_new_tokens=4, custom_generate=lookahead.hf.generate)

@@ -15,6 +15,8 @@ TORCH_FREE = [
     "lookahead.drafting.drafter",
     "lookahead.drafting.triefile",
     "lookahead.decoding.step",
+    "lookahead.decoding.batch",
+    "lookahead.bench.replay",
 ]
 
 

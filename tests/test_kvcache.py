@@ -1,33 +1,72 @@
+"""BatchCache: keep each row's accepted entries after a block, join rows, drop rows."""
+
+import pytest
 import torch
 from transformers import DynamicCache
 
-from lookahead.decoding.kvcache import keep_accepted
+from lookahead.decoding.kvcache import BatchCache
 
 
-def _cache_with(values: list[float]) -> DynamicCache:
+def _cache_with(*rows: list[float]) -> DynamicCache:
+    """A one-layer cache whose row b holds `rows[b]` (keys; values are keys * 10), padded with -1."""
+    width = max(map(len, rows))
+    states = torch.tensor([row + [-1.0] * (width - len(row)) for row in rows]).view(len(rows), 1, width, 1)
     cache = DynamicCache()
-    states = torch.tensor(values).view(1, 1, -1, 1)
     cache.update(states.clone(), states.clone() * 10, layer_idx=0)
     return cache
 
 
+def _rows(batch: BatchCache) -> list[list[float]]:
+    keys = batch.cache.layers[0].keys
+    return [keys[row, 0, :length, 0].tolist() for row, length in enumerate(batch.lengths)]
+
+
 def test_keeps_root_and_accepted_in_order_and_drops_the_rest():
     # 3 past entries, then a block of 5: root (100) and nodes 101..104
-    cache = _cache_with([1, 2, 3, 100, 101, 102, 103, 104])
-    keep_accepted(cache, block_size=5, accepted=[2, 4])
-    layer = cache.layers[0]
+    batch = BatchCache(_cache_with([1, 2, 3, 100, 101, 102, 103, 104]), [3], ["a"])
+    batch.keep([[0, 2, 4]], block_size=5)
+    layer = batch.cache.layers[0]
     assert layer.keys.flatten().tolist() == [1, 2, 3, 100, 102, 104]
     assert layer.values.flatten().tolist() == [10, 20, 30, 1000, 1020, 1040]
-    assert cache.get_seq_length() == 6
+    assert batch.cache.get_seq_length() == 6 and batch.lengths == [6]
 
 
 def test_prefix_acceptance_is_a_plain_cut():
-    cache = _cache_with([1, 2, 100, 101, 102])
-    keep_accepted(cache, block_size=3, accepted=[1])
-    assert cache.layers[0].keys.flatten().tolist() == [1, 2, 100, 101]
+    batch = BatchCache(_cache_with([1, 2, 100, 101, 102]), [2], ["a"])
+    batch.keep([[0, 1]], block_size=3)
+    assert batch.cache.layers[0].keys.flatten().tolist() == [1, 2, 100, 101]
 
 
 def test_nothing_accepted_keeps_only_the_root():
-    cache = _cache_with([1, 100, 101, 102])
-    keep_accepted(cache, block_size=3, accepted=[])
-    assert cache.layers[0].keys.flatten().tolist() == [1, 100]
+    batch = BatchCache(_cache_with([1, 100, 101, 102]), [1], ["a"])
+    batch.keep([[0]], block_size=3)
+    assert batch.cache.layers[0].keys.flatten().tolist() == [1, 100]
+
+
+def test_rows_of_different_lengths_keep_their_own_entries_right_after_their_past():
+    # row a: 4 cached, row b: 2 cached (then a gap of 2); the block of 3 went to column 4 of both
+    batch = BatchCache(_cache_with([1, 2, 3, 4, 10, 11, 12], [5, 6, -1, -1, 20, 21, 22]), [4, 2], ["a", "b"])
+    batch.keep([[0, 2], [0, 1, 2]], block_size=3)
+    assert batch.lengths == [6, 5]
+    assert _rows(batch) == [[1, 2, 3, 4, 10, 12], [5, 6, 20, 21, 22]]
+    assert batch.cache.layers[0].keys.shape[-2] == 6, "trimmed to the longest row"
+    assert batch.cache.layers[0].values[1, 0, :5, 0].tolist() == [50, 60, 200, 210, 220]
+
+
+def test_merge_pads_to_the_longest_and_select_drops_and_reorders_rows():
+    parts = [
+        BatchCache(_cache_with([1, 2, 3]), [3], ["a"]),
+        BatchCache(_cache_with([4]), [1], ["b"]),
+        BatchCache(_cache_with([5, 6], [7, 8]), [2, 2], ["c", "d"]),
+    ]
+    batch = BatchCache.merge(parts)
+    assert batch.owners == ["a", "b", "c", "d"] and batch.lengths == [3, 1, 2, 2]
+    assert _rows(batch) == [[1, 2, 3], [4], [5, 6], [7, 8]]
+    batch = batch.select(["d", "b"])
+    assert batch.owners == ["d", "b"] and _rows(batch) == [[7, 8], [4]]
+    assert batch.cache.layers[0].keys.shape == (2, 1, 2, 1), "trimmed to the longest remaining row"
+
+
+def test_one_length_per_owner():
+    with pytest.raises(ValueError, match="one length per owner"):
+        BatchCache(_cache_with([1]), [1, 1], ["a"])

@@ -1,9 +1,10 @@
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lookahead.drafting.ngrams import OUTPUT, PROMPT
-from lookahead.drafting.policy import Calibration, CostModel, DraftPolicy, best_prefix, path_probabilities
+from lookahead.drafting.policy import Calibration, CostModel, DraftPolicy, best_width
 from lookahead.drafting.tree import DraftTree
 
 FLAT = CostModel({1: 50.0, 64: 50.0})
@@ -12,18 +13,18 @@ CPU_LIKE = CostModel({1: 56.0, 8: 77.0, 16: 91.0, 32: 117.0, 64: 172.0})  # Smol
 
 
 def test_flat_cost_takes_the_whole_budget():
-    assert best_prefix([0.3] * 40, FLAT) == 40
-    assert best_prefix([0.01] * 63, FLAT) == 63
+    assert best_width([[0.3] * 40], FLAT) == 40
+    assert best_width([[0.01] * 63], FLAT) == 63
 
 
 def test_steep_cost_and_low_probabilities_take_nothing():
-    assert best_prefix([0.2] * 20, STEEP) == 0
-    assert best_prefix([0.02] * 20, CPU_LIKE) == 0
+    assert best_width([[0.2] * 20], STEEP) == 0
+    assert best_width([[0.02] * 20], CPU_LIKE) == 0
 
 
 def test_a_cpu_takes_a_confident_chain_but_not_a_doubtful_bush():
-    assert best_prefix([0.95, 0.9, 0.85, 0.8, 0.75, 0.7], CPU_LIKE) == 6
-    assert best_prefix([0.04] * 4 + [0.01] * 60, CPU_LIKE) == 0
+    assert best_width([[0.95, 0.9, 0.85, 0.8, 0.75, 0.7]], CPU_LIKE) == 6
+    assert best_width([[0.04] * 4 + [0.01] * 60], CPU_LIKE) == 0
 
 
 probabilities = st.lists(st.floats(0.0, 1.0), min_size=0, max_size=40).map(lambda ps: sorted(ps, reverse=True))
@@ -33,14 +34,14 @@ probabilities = st.lists(st.floats(0.0, 1.0), min_size=0, max_size=40).map(lambd
 @given(probabilities, st.floats(0.0, 0.5))
 def test_more_confidence_never_sends_fewer_nodes(ps, boost):
     higher = [min(1.0, p + boost) for p in ps]
-    assert best_prefix(higher, CPU_LIKE) >= best_prefix(ps, CPU_LIKE)
+    assert best_width([higher], CPU_LIKE) >= best_width([ps], CPU_LIKE)
 
 
 @settings(max_examples=200, deadline=None)
 @given(probabilities, st.floats(1.0, 5.0))
 def test_steeper_cost_never_sends_more_nodes(ps, factor):
     steeper = CostModel({w: 56.0 + (ms - 56.0) * factor for w, ms in zip(CPU_LIKE.widths, CPU_LIKE.base, strict=True)})
-    assert best_prefix(ps, steeper) <= best_prefix(ps, CPU_LIKE)
+    assert best_width([ps], steeper) <= best_width([ps], CPU_LIKE)
 
 
 def test_cost_model_interpolates_and_follows_drift():
@@ -51,6 +52,15 @@ def test_cost_model_interpolates_and_follows_drift():
     assert abs(cost.predict(5) - 36.0) < 0.5
     cost.observe(5, 10_000.0)  # an outlier (a pause) is ignored
     assert abs(cost.predict(5) - 36.0) < 0.5
+
+
+def path_probabilities(tree: DraftTree, rates: np.ndarray) -> np.ndarray:
+    """Chance that each node is accepted: its cell's rate times its parent's chance."""
+    step = rates[Calibration.cells(tree)]
+    chance = np.ones(len(tree) + 1)
+    for node, parent in enumerate(tree.parents):
+        chance[node + 1] = chance[parent] * step[node]
+    return chance[1:]
 
 
 PROMPT_CHAIN = DraftTree(tokens=[5, 6, 7], parents=[0, 1, 2], ratios=[0.9, 1.0, 1.0], sources=[PROMPT] * 3)
@@ -103,14 +113,45 @@ def test_old_observations_fade():
     assert engine.rates(PRIOR)[Calibration.cells(OUTPUT_CHAIN)[0]] > 0.6
 
 
-def test_choose_sends_the_likeliest_nodes_with_their_parents():
-    # a bush: node 0 (output, doubtful) has a confident child copied from the prompt
-    tree = DraftTree(
-        tokens=[1, 2, 3, 4], parents=[0, 1, 0, 3], ratios=[0.6, 1.0, 0.4, 1.0], sources=[OUTPUT, PROMPT, PROMPT, PROMPT]
-    )
-    rates = np.zeros(Calibration.CELLS)
-    cells = Calibration.cells(tree)
-    rates[cells] = [0.5, 0.95, 0.95, 0.95]  # nodes 1 and 3 share a cell
-    chosen = DraftPolicy(CostModel({1: 50.0, 3: 65.0, 5: 250.0})).choose(tree, rates)
+def test_fit_sends_the_likeliest_prefix_worth_its_cost():
+    # likeliest first, as the trie lists them: the prompt chain (3 -> 4), then a doubtful output branch (1 -> 2)
+    tree = DraftTree(tokens=[3, 4, 1, 2], parents=[0, 1, 0, 3], chances=[0.95, 0.9025, 0.5, 0.475])
+    chosen = DraftPolicy(CostModel({1: 50.0, 3: 65.0, 5: 250.0})).fit([tree])[0]
     assert chosen.tokens == [3, 4] and chosen.parents == [0, 1]  # the prompt chain, not the output branch
-    assert DraftPolicy(FLAT).choose(tree, rates).tokens == tree.tokens
+    assert DraftPolicy(FLAT).fit([tree])[0].tokens == tree.tokens
+    assert DraftPolicy().fit([tree])[0] is tree, "a fixed policy sends everything"
+
+
+BATCH = CostModel({1: 56.0, 8: 77.0, 16: 91.0, 32: 117.0}, batched={8: {1: 97.0, 4: 190.0, 8: 269.0, 16: 418.0}})
+
+
+def test_cost_model_interpolates_between_measured_row_counts():
+    assert BATCH.rows == [1, 8]
+    assert BATCH.predict(8) == pytest.approx(77.0, rel=0.05) and BATCH.predict(8, rows=8) == pytest.approx(
+        269.0, rel=0.05
+    )
+    four = BATCH.predict(8, rows=4)
+    assert BATCH.predict(8, rows=1) < four < BATCH.predict(8, rows=8)
+    assert BATCH.predict(8, rows=16) > BATCH.predict(8, rows=8), "past the largest measured count: extrapolated"
+    BATCH.observe(8, 2 * BATCH.predict(8, rows=8), rows=8)
+    assert BATCH.scale > 1.0
+
+
+def test_flat_cost_sends_drafts_for_every_row():
+    flat = CostModel({1: 50.0, 64: 50.0}, batched={8: {1: 60.0, 64: 60.0}})
+    trees = [DraftTree([1, 2, 3], [0, 1, 2], chances=[0.3, 0.2, 0.1]) for _ in range(8)]
+    assert [len(tree) for tree in DraftPolicy(flat).fit(trees)] == [3] * 8
+
+
+def test_steep_cost_and_low_chances_mean_plain_batched_decoding():
+    trees = [DraftTree([1, 2], [0, 1], chances=[0.2, 0.05]) for _ in range(8)]
+    assert [len(tree) for tree in DraftPolicy(BATCH).fit(trees)] == [0] * 8
+
+
+def test_the_likeliest_rows_decide_the_width_and_the_others_fill_it():
+    sure = DraftTree([1, 2, 3, 4], [0, 1, 2, 3], chances=[0.99, 0.98, 0.97, 0.96])
+    doubtful = DraftTree([5, 6, 7, 8], [0, 1, 2, 3], chances=[0.05, 0.02, 0.01, 0.01])
+    assert [len(t) for t in DraftPolicy(BATCH).fit([doubtful] * 8)] == [0] * 8
+    fitted = DraftPolicy(BATCH).fit([sure] * 4 + [doubtful] * 4)
+    assert len(fitted[0]) > 0, "rows that copy text earn the width"
+    assert {len(t) for t in fitted} == {len(fitted[0])}, "the other rows pay for that width anyway: they fill it"

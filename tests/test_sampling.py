@@ -200,3 +200,20 @@ def test_a_seed_gives_the_same_output_whatever_ran_before(tiny_engine):
 def test_temperature_zero_is_greedy(tiny_engine):
     greedy = tiny_engine.generate(PROMPT, 10, use_lookahead=False).token_ids
     assert tiny_engine.generate(PROMPT, 10, do_sample=True, temperature=0.0, seed=3).token_ids == greedy
+
+
+@pytest.mark.slow
+def test_sampled_rows_batched_with_other_rows_keep_the_models_distribution(tiny_engine):
+    exact = exact_three_token_distribution(tiny_engine.model, 0.9)
+    count = 4_000
+    filler = [9, 10, 11, 12] * 4
+    prompts = [PROMPT if i % 2 == 0 else filler for i in range(2 * count)]
+    outs = tiny_engine.generate_batch(
+        prompts, 3, max_batch=8, do_sample=True, temperature=0.9, seed=list(range(10**7, 10**7 + 2 * count))
+    )
+    samples = [tuple(out.token_ids) for out, prompt in zip(outs, prompts, strict=True) if prompt is PROMPT]
+    accepted = sum(n * s for out in outs for n, s in out.stats.accepted_histogram.items())
+    assert accepted > count // 10, "drafts must have been accepted in the batch"
+    assert goodness_of_fit(samples, exact) > 1e-3
+    alone = tiny_engine.generate(PROMPT, 3, do_sample=True, temperature=0.9, seed=10**7).token_ids
+    assert list(samples[0]) == alone, "a seeded row draws what it draws alone"

@@ -202,6 +202,54 @@ def test_eight_concurrent_clients_get_exact_outputs(url, engine):
     assert [text for _, text in answers] == [expected[q] for q, _ in answers]
 
 
+def test_clients_leaving_mid_stream_leave_the_batch_and_the_others_stay_exact(url, engine):
+    """Six streams run together; two hang up after a few chunks; the four others end exactly as alone."""
+    questions = ["Name three colours.", "What is an integer?", "Say hello in French.", "What is a tuple?"]
+    expected = {q: engine.chat([{"role": "user", "content": q}], 40).text for q in questions}
+    cancelled = metric(url, "lookahead_generations_total", endpoint="completions", outcome="cancelled")
+    seen_batch = []
+
+    def leaver() -> None:
+        body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 4000, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+            lines = response.iter_lines()
+            for _ in range(4):
+                assert next(line for line in lines if line.startswith("data: "))
+            seen_batch.append(metric(url, "lookahead_batch_size"))
+
+    def ask(question: str) -> str:
+        own = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+        call = {"model": MODEL, "messages": [{"role": "user", "content": question}], "max_tokens": 40, "temperature": 0}
+        return stream_text(own.chat.completions.create(stream=True, **call))[0]
+
+    with ThreadPoolExecutor(6) as pool:
+        leaving = [pool.submit(leaver) for _ in range(2)]
+        answers = list(pool.map(ask, questions))
+        for future in leaving:
+            future.result()
+    assert answers == [expected[q] for q in questions]
+    assert max(seen_batch) >= 2, "the streams must have shared the batch"
+    wait_for(lambda: metric(url, "lookahead_batch_size") == 0, "the batch to empty")
+    assert metric(url, "lookahead_generations_total", endpoint="completions", outcome="cancelled") == cancelled + 2
+
+
+def test_n_choices_are_rows_of_one_prompt(client, engine):
+    prompt = "Once upon a time"
+    greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, n=2)
+    want = engine.generate(prompt, 12).text
+    assert [c.index for c in greedy.choices] == [0, 1] and [c.text for c in greedy.choices] == [want, want]
+    assert greedy.usage.completion_tokens == 2 * len(engine.generate(prompt, 12).token_ids)
+    call = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0.9, "seed": 5, "n": 2}
+    sampled = client.completions.create(**call)
+    seeded = [engine.generate(prompt, 12, do_sample=True, temperature=0.9, seed=s).text for s in (5, 6)]
+    assert [c.text for c in sampled.choices] == seeded
+    by_index: dict[int, list[str]] = {0: [], 1: []}
+    for chunk in client.completions.create(stream=True, **call):
+        for choice in chunk.choices:
+            by_index[choice.index].append(choice.text)
+    assert ["".join(by_index[0]), "".join(by_index[1])] == seeded
+
+
 def test_sampling_with_a_seed_matches_the_engine(client, engine):
     prompt = "Once upon a time"
     settings = {"temperature": 0.8, "top_p": 0.95, "seed": 11}
@@ -255,8 +303,16 @@ def test_metrics_count_tokens_steps_and_requests(client, url):
 # ---- clients that leave, a full queue ------------------------------------------------------
 
 
-def test_client_leaving_mid_stream_frees_the_model(url, client, engine):
+@pytest.fixture(scope="module")
+def one_at_a_time(engine):
+    """A server of batches of one: requests queue behind the running one."""
+    with running(create_app(engine, ServerSettings(MODEL, max_batch=1))) as base:
+        yield base
+
+
+def test_client_leaving_mid_stream_frees_the_model(one_at_a_time, engine):
     """A leaves after a few chunks of a 4000-token answer; B, queued behind it, is then served at once."""
+    url = one_at_a_time
     cancelled = metric(url, "lookahead_generations_total", endpoint="completions", outcome="cancelled")
     expected = engine.generate("The sky is", 8).text
     body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 4000, "temperature": 0, "stream": True}
@@ -281,7 +337,7 @@ def test_client_leaving_mid_stream_frees_the_model(url, client, engine):
 
 
 def test_full_queue_answers_503_and_a_queued_client_that_leaves_frees_its_place(engine):
-    with running(create_app(engine, ServerSettings(MODEL, max_queue=1))) as url:
+    with running(create_app(engine, ServerSettings(MODEL, max_queue=1, max_batch=1))) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 4000, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as running_stream:
@@ -332,7 +388,7 @@ BAD_REQUESTS = {
     "max_tokens below 1": ("/v1/completions", {**GOOD_COMPLETION, "max_tokens": 0}, 400, "max_tokens"),
     "max_tokens as a string": ("/v1/completions", {**GOOD_COMPLETION, "max_tokens": "10"}, 400, "max_tokens"),
     "max_tokens over the context": ("/v1/completions", {**GOOD_COMPLETION, "max_tokens": 10**6}, 400, "max_tokens"),
-    "n above 1": ("/v1/completions", {**GOOD_COMPLETION, "n": 2}, 400, "n"),
+    "n of 0": ("/v1/completions", {**GOOD_COMPLETION, "n": 0}, 400, "n"),
     "best_of above 1": ("/v1/completions", {**GOOD_COMPLETION, "best_of": 3}, 400, "best_of"),
     "echo": ("/v1/completions", {**GOOD_COMPLETION, "echo": True}, 400, "echo"),
     "temperature above 2": ("/v1/completions", {**GOOD_COMPLETION, "temperature": 3}, 400, "temperature"),
@@ -358,7 +414,7 @@ BAD_REQUESTS = {
         400,
         "messages[0].content",
     ),
-    "chat n above 1": ("/v1/chat/completions", {**GOOD_CHAT, "n": 4}, 400, "n"),
+    "chat n larger than the batch": ("/v1/chat/completions", {**GOOD_CHAT, "n": 9}, 400, "n"),
     "tools": ("/v1/chat/completions", {**GOOD_CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
     "chat max tokens over the context": (
         "/v1/chat/completions",

@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--save-every", type=float, default=10.0, help="minutes between trie saves")
     serve.add_argument("--api-key", default=os.environ.get("LOOKAHEAD_API_KEY"), help="require Authorization: Bearer")
     serve.add_argument("--max-queue", type=_positive, default=32, help="waiting requests before answering 503")
+    serve.add_argument("--max-batch", type=_positive, default=8, help="generations decoded together")
     add_trie_parser(commands)
     return parser
 

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import LookaheadConfig
+from ..decoding.batch import decode
 from ..decoding.generation import Generation, GenerationStats
-from ..decoding.step import Priced, Verdict, decode
+from ..decoding.step import Priced, Verdict
 from ..decoding.transcript import Transcript
 from ..decoding.verify import accept_greedy
 from ..drafting.drafter import TrieDrafting
@@ -70,6 +71,8 @@ def oracle_choices(tree: DraftTree, output: Sequence[int], pos: int) -> list[int
 
 class RecordingVerifier:
     """Verification by a recorded greedy output instead of the model: the step's other half in a replay."""
+
+    batched = True
 
     def __init__(self, output: Sequence[int], branching: bool) -> None:
         self.output = output

@@ -12,10 +12,11 @@ import warnings
 from typing import Literal
 
 import torch
+from transformers import Cache
 
 from ..drafting.tree import DraftTree
 from .forward import ModelForward
-from .kvcache import keep_accepted
+from .kvcache import BatchCache, has_sliding_layers
 
 DraftMode = Literal["tree", "chain", "off"]
 
@@ -59,7 +60,7 @@ def _mismatch(forward: ModelForward, tree: DraftTree) -> str | None:
                 return f"logits at draft node {index} differ from sequential decoding by {gap:.3g}"
         kept = max(range(len(block_paths)), key=lambda i: len(block_paths[i]))
         accepted = _ancestors(tree, kept)
-        keep_accepted(cache, len(tokens) + 1, accepted)
+        BatchCache(cache, [len(prefix)], [None]).keep([[0, *accepted]], len(tokens) + 1)
         got_next = forward(cache, [nxt], len(prefix) + len(accepted) + 1)[-1]
         want_next = _plain_logits(forward, prefix + block_paths[kept] + [nxt])[-1]
         if (gap := _gap(got_next, want_next)) is not None:
@@ -115,3 +116,56 @@ def probe_draft_mode(forward: ModelForward) -> DraftMode:
     warnings.warn(f"{name}: drafting is off, this model verifies neither trees ({reasons[0]}) nor paths "
                   f"({reasons[1]}); decoding is plain", stacklevel=3)  # fmt: skip
     return "off"
+
+
+def _prefilled(forward: ModelForward, prefix: list[int]) -> Cache:
+    cache = forward.new_cache()
+    forward(cache, prefix, 0)
+    return cache
+
+
+def _batch_mismatch(forward: ModelForward, mode: DraftMode) -> str | None:
+    """Why two rows of different lengths verified together differ from each row alone; None if they do not."""
+    vocab = forward.vocab_size
+    shape = _TREE if mode == "tree" else _CHAIN
+    trees = [DraftTree([t % vocab for t in shape.tokens], shape.parents), DraftTree([_NEXT % vocab], [0])]
+    prefixes = [[t % vocab for t in _PREFIX], [t % vocab for t in _PREFIX[:3]]]
+    blocks = [[_ROOT % vocab, *tree.tokens] for tree in trees]
+    after = (_NEXT + 1) % vocab
+    with torch.inference_mode():
+        parts = [BatchCache(_prefilled(forward, prefix), [len(prefix)], [row]) for row, prefix in enumerate(prefixes)]
+        batch = BatchCache.merge(parts)
+        got = forward.rows(batch.cache, blocks, trees, batch.lengths, tree_masks=mode == "tree")
+        for row, (prefix, block, tree) in enumerate(zip(prefixes, blocks, trees, strict=True)):
+            want = forward(_prefilled(forward, prefix), block, len(prefix), tree)
+            if (gap := _gap(got[row, : len(block)], want)) is not None:
+                return f"row {row} of a batch differs from the same row alone by {gap:.3g}"
+        deepest = [_ancestors(tree, len(tree)) for tree in trees]
+        batch.keep([[0, *path] for path in deepest], max(map(len, blocks)))
+        got = forward.rows(batch.cache, [[after], [after]], [None, None], batch.lengths, tree_masks=mode == "tree")
+        for row, (prefix, block, path) in enumerate(zip(prefixes, blocks, deepest, strict=True)):
+            want = _plain_logits(forward, [*prefix, *(block[i] for i in [0, *path]), after])[-1]
+            if (gap := _gap(got[row, 0], want)) is not None:
+                return f"row {row} of a batch after compacting differs from sequential decoding by {gap:.3g}"
+    return None
+
+
+def probe_batching(forward: ModelForward, mode: DraftMode) -> bool:
+    """True if generations of different lengths can be verified in one forward pass; else warns why.
+
+    Without it, a batch of generations is verified one generation at a time: still exact,
+    only slower.
+    """
+    name = type(forward.model).__name__
+    if mode == "off":
+        reason = "it verifies no drafts, not even single paths"
+    elif has_sliding_layers(forward.new_cache()):
+        reason = "its sliding-window layers keep one length for all rows"
+    else:
+        try:
+            reason = _batch_mismatch(forward, mode)
+        except Exception as err:
+            reason = f"{type(err).__name__}: {err}"
+    if reason is not None:
+        warnings.warn(f"{name}: generations are verified one at a time, not batched ({reason})", stacklevel=3)
+    return reason is None

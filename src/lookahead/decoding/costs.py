@@ -8,11 +8,13 @@ the model, dtype, device and thread count; a damaged or foreign cache file is me
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import statistics
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -21,50 +23,77 @@ from ..models import cache_dir
 from .forward import ModelForward
 
 COST_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # small widths are irregular on CPUs
+BATCH_ROWS = (2, 4, 8, 16)
+BATCH_WIDTHS = (1, 2, 4, 8, 16, 32)
 
 
 def measure_cost(
-    forward: ModelForward, widths: Sequence[int] = COST_WIDTHS, context: int = 128, repeats: int = 3
+    forward: ModelForward,
+    widths: Sequence[int] = COST_WIDTHS,
+    context: int = 128,
+    repeats: int = 3,
+    rows: int = 1,
+    tree_masks: bool = True,
 ) -> dict[int, float]:
-    """Median milliseconds of a forward pass of each width after `context` cached tokens."""
+    """Median milliseconds of a forward pass of `rows` rows of each width, every row after `context` cached tokens."""
     vocab = forward.vocab_size
     prefix = [(100 + 7 * i) % vocab for i in range(context)]
     costs = {}
     with torch.inference_mode():
         cache = forward.new_cache()
-        forward(cache, prefix, 0, last_only=True)
+        forward.rows(cache, [prefix] * rows, [None] * rows, [0] * rows, tree_masks, last_only=True)
         for width in widths:
             times = []
             for _ in range(repeats):
                 clock = time.perf_counter()
-                forward(cache, prefix[:width], context).argmax(-1).tolist()  # as a step: waits for the device
+                blocks = [prefix[:width]] * rows
+                logits = forward.rows(cache, blocks, [None] * rows, [context] * rows, tree_masks)
+                logits.argmax(-1).tolist()  # as a step: waits for the device
                 times.append((time.perf_counter() - clock) * 1000)
                 cache.crop(-width)  # the context stays the same for every measurement
             costs[width] = round(statistics.median(times), 3)
     return costs
 
 
-def cost_model(forward: ModelForward) -> CostModel:
-    """The cost curve of this model on this device, measured once and cached on disk."""
+def cost_model(forward: ModelForward, batched: bool = False, tree_masks: bool = True) -> CostModel:
+    """The cost curve of this model on this device (and, if `batched`, of BATCH_ROWS rows), cached on disk."""
     name = getattr(forward.config, "_name_or_path", "")
-    dtype = forward.model.dtype
-    key = f"{name}|{dtype}|{forward.device}|threads={torch.get_num_threads()}|widths={COST_WIDTHS}"
+    key = f"{name}|{forward.model.dtype}|{forward.device}|threads={torch.get_num_threads()}"
+    wanted = {f"{key}|widths={COST_WIDTHS}": functools.partial(measure_cost, forward)}
+    if batched:
+        for rows in BATCH_ROWS:
+            measure = functools.partial(measure_cost, forward, BATCH_WIDTHS, rows=rows, tree_masks=tree_masks)
+            wanted[f"{key}|rows={rows}|widths={BATCH_WIDTHS}"] = measure
     path = cache_dir() / "costs.json"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if not isinstance(known, dict):
-        known = {}
-    if name and isinstance(known.get(key), dict):
-        with contextlib.suppress(ValueError, TypeError):
-            return CostModel(known[key])
-    points = measure_cost(forward)
-    if name:
-        known[key] = points
+    known = _read(path)
+    curves, measured = [], False
+    for entry, measure in wanted.items():
+        curve = known.get(entry) if name else None
+        if not _sound(curve):  # not measured yet here, or a damaged entry
+            curve = known[entry] = measure()
+            measured = True
+        curves.append(curve)
+    if name and measured:
         with contextlib.suppress(OSError):
             path.parent.mkdir(parents=True, exist_ok=True)
             scratch = path.with_name(f".costs-{os.getpid()}.json")
             scratch.write_text(json.dumps(known, indent=1))
             scratch.replace(path)
-    return CostModel(points)
+    single, *per_rows = curves
+    return CostModel(single, dict(zip(BATCH_ROWS, per_rows, strict=True)) if batched else None)
+
+
+def _read(path: Path) -> dict:
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def _sound(curve: object) -> bool:
+    try:
+        CostModel(curve)  # type: ignore[arg-type]
+    except (ValueError, TypeError, AttributeError):
+        return False
+    return True

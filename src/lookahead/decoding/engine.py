@@ -8,8 +8,12 @@ which is plain greedy decoding (the baseline of every speedup).
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from transformers import LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -18,12 +22,13 @@ from ..drafting.drafter import TrieDrafting
 from ..drafting.policy import DraftPolicy
 from ..drafting.trie import TokenTrie
 from ..models import eos_ids
-from .capability import DraftMode, check_cached_decoding, probe_draft_mode
+from .batch import Batch, decode
+from .capability import DraftMode, check_cached_decoding, probe_batching, probe_draft_mode
 from .costs import cost_model
 from .forward import ModelForward
 from .generation import Generation, GenerationOutput
 from .sampling import SamplingParams, TokenChooser
-from .step import Verifier, decode
+from .step import Verifier
 from .transcript import Transcript, stop_strings
 from .verifier import ModelVerifier
 
@@ -98,7 +103,10 @@ class LookaheadEngine:
         self.drafting = TrieDrafting.from_config(
             config, self.eos_ids, cost_model(self.forward) if adaptive else None, trie
         )
-        self.verifier: Verifier = ModelVerifier(self.forward, self.draft_mode, config.decoding_length)
+        self._model_verifier = ModelVerifier(self.forward, self.draft_mode, config.decoding_length, batched=False)
+        self._batching_probed = False
+        self._batching_lock = threading.Lock()
+        self.verifier: Verifier = self._model_verifier
         """What the step verifies drafts with: the model (replaceable, e.g. to price steps by a cost model)."""
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
 
@@ -175,11 +183,68 @@ class LookaheadEngine:
         """The assistant's reply to `messages` in the tokenizer's chat template (options as `generate`)."""
         return self.generate(self.chat_ids(messages), max_new_tokens, use_lookahead, **options)
 
+    def generate_batch(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        max_new_tokens: int | list[int] = 128,
+        max_batch: int = 8,
+        use_lookahead: bool = True,
+        progress: bool | None = None,
+        **options,
+    ) -> list[GenerationOutput]:
+        """`generate` for many prompts, decoded together: outputs in input order, each what it would be alone.
+
+        Up to `max_batch` generations run at once, verified in one forward pass a step; a
+        finished one makes room for the next at once. Any option (and `max_new_tokens`) may be
+        a list with one value per prompt — for `stop` and `stop_token_ids`, whose own values
+        are lists, a list of lists. `progress`: a progress bar on stderr (default: when stderr
+        is a terminal).
+        """
+        prompts = list(prompts)
+        _check_max_batch(max_batch)
+        rows = _per_prompt(len(prompts), {"max_new_tokens": max_new_tokens, **options})
+        generations = [self.prepare(prompt, **row) for prompt, row in zip(prompts, rows, strict=True)]
+        batch = self.batch(max(1, min(max_batch, len(prompts))), use_lookahead)
+        for generation in generations:
+            batch.add(generation)
+        show = sys.stderr.isatty() if progress is None else progress
+        with _progress(show, len(generations)) as advance:
+            try:
+                while batch:
+                    advance(sum(generation.done for generation, _ in batch.step()))
+            finally:
+                batch.close()
+        return [generation.output() for generation in generations]
+
     # ---- requests ----------------------------------------------------------------------------
 
+    def batch(self, max_batch: int, use_lookahead: bool = True) -> Batch:
+        """A continuous batch on this engine: add prepared generations, call `step()` until it is empty.
+
+        The first batch of more than one row probes once whether this model verifies rows of
+        different lengths together (else they are verified one at a time, with a warning) and
+        measures the cost of batched steps for the adaptive policy (cached on disk).
+        """
+        _check_max_batch(max_batch)
+        if max_batch > 1:
+            self._enable_batching()
+        return Batch(self.verifier, self._drafting(use_lookahead), max_batch)
+
+    def _drafting(self, use_lookahead: bool) -> TrieDrafting | None:
+        return self.drafting if use_lookahead and self.draft_mode != "off" else None
+
     def _steps(self, generation: Generation, use_lookahead: bool) -> Iterator[list[int]]:
-        drafting = self.drafting if use_lookahead and self.draft_mode != "off" else None
-        return decode(generation, self.verifier, drafting)
+        return decode(generation, self.verifier, self._drafting(use_lookahead))
+
+    def _enable_batching(self) -> None:
+        """Once: probe whether rows of different lengths verify together exactly, and price batched steps."""
+        with self._batching_lock:
+            if self._batching_probed:
+                return
+            self._batching_probed = True
+            batched = self._model_verifier.batched = probe_batching(self.forward, self.draft_mode)
+            if batched and self.policy.adaptive:
+                self.policy.cost = cost_model(self.forward, batched=True, tree_masks=self.draft_mode == "tree")
 
     def prepare(
         self,
@@ -227,3 +292,40 @@ class LookaheadEngine:
         transcript = Transcript(decode_text, max_new_tokens, self.eos_ids | frozenset(extra), stops)
         chooser = TokenChooser(processors, params.sampled, seed)
         return Generation(ids, max_new_tokens, transcript, chooser, on_tokens)
+
+
+def _check_max_batch(max_batch: object) -> None:
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
+
+
+_LIST_VALUED = ("stop", "stop_token_ids")
+"""Options whose single value may itself be a list: given per prompt, they are a list of lists."""
+
+
+def _per_prompt(count: int, options: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each prompt's options: a plain list is one value per prompt, anything else applies to all."""
+    rows: list[dict[str, Any]] = [{} for _ in range(count)]
+    for name, value in options.items():
+        each = type(value) is list and (
+            name not in _LIST_VALUED or all(item is None or isinstance(item, (list, tuple)) for item in value)
+        )
+        if each and len(value) != count:
+            raise ValueError(f"{name}: {len(value)} values for {count} prompts (give one value, or one per prompt)")
+        for number, row in enumerate(rows):
+            row[name] = value[number] if each else value
+    return rows
+
+
+@contextlib.contextmanager
+def _progress(show: bool, total: int) -> Iterator[Callable[[int], None]]:
+    """A progress bar over finished generations on stderr, or nothing; yields how to advance it."""
+    if not show or total < 2:
+        yield lambda finished: None
+        return
+    from rich.console import Console
+    from rich.progress import Progress
+
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("generating", total=total)
+        yield lambda finished: bar.advance(task, finished)

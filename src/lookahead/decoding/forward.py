@@ -15,7 +15,7 @@ from transformers import Cache, PreTrainedModel
 
 from ..drafting.tree import DraftTree
 from .kvcache import new_cache
-from .masks import causal_inputs, tree_mask, tree_positions
+from .masks import block_inputs
 
 
 class ModelForward:
@@ -41,21 +41,24 @@ class ModelForward:
     def __call__(
         self, cache: Cache, block: Sequence[int], past: int, tree: DraftTree | None = None, last_only: bool = False
     ) -> torch.Tensor:
-        """Logits (len(block), vocab) for `block` after `past` cached tokens (only the last with `last_only`).
+        """Logits (len(block), vocab) of one sequence's `block` after `past` cached tokens (or of its last)."""
+        return self.rows(cache, [block], [tree], [past], tree_masks=True, last_only=last_only)[0]
 
-        A branching `tree` gets its 4-D mask and depth-based positions; a chain (or no draft)
-        the ordinary causal mask.
-        """
-        device = self.device
-        ids = torch.tensor([list(block)], dtype=torch.long, device=device)
-        kwargs: dict = {"input_ids": ids, self._cache_keyword: cache, "use_cache": True}
-        if tree is not None and not tree.is_chain:
-            kwargs["attention_mask"] = tree_mask(tree, past, self.model.dtype, device)
-            kwargs["position_ids"] = tree_positions(tree, past, device)
-        else:
-            kwargs["attention_mask"], kwargs["position_ids"] = causal_inputs(past, len(block), device)
+    def rows(
+        self,
+        cache: Cache,
+        blocks: Sequence[Sequence[int]],
+        trees: Sequence[DraftTree | None],
+        lengths: Sequence[int],
+        tree_masks: bool,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Logits (rows, width, vocab) of each row's block after its `lengths[b]` cached tokens (masks.block_inputs)."""
+        ids, mask, positions = block_inputs(blocks, trees, lengths, tree_masks, self.model.dtype, self.device)
+        kwargs: dict = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "use_cache": True}
+        kwargs[self._cache_keyword] = cache
         if last_only and self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = 1
         with self._lock:
-            logits = self.model(**kwargs).logits[0]
-        return logits[-1:] if last_only else logits
+            logits = self.model(**kwargs).logits
+        return logits[:, -1:] if last_only else logits

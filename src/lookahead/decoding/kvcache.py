@@ -1,13 +1,22 @@
-"""Keep the accepted entries of a transformers cache after a tree forward pass.
+"""The KV cache of one or several sequences, and the surgery a verified block needs.
 
-After verifying a block of q entries (root + draft), the cache holds all q; only the root
-and the accepted nodes belong to the sequence. They are moved down in place, and the tail
-is cut, so no copy of the older cache is made.
+`BatchCache` wraps one transformers cache whose rows are different sequences, left-aligned:
+row b holds its `lengths[b]` entries at columns [0, lengths[b]) and garbage beyond, up to the
+longest row. A step appends its block of q entries (root + draft) to every row at the same
+column; afterwards only the root and the accepted nodes belong to each sequence, so they are
+moved right after that row's own entries (one batched gather and scatter per layer) and the
+tail is cut at the new longest row. No copy of the older cache is made.
+
+Joining rows are concatenated on the batch dimension (padded to the common length) and
+leaving rows are dropped by index, which transformers' cache has no call for.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+
 import torch
+import torch.nn.functional as F
 from transformers import Cache, DynamicCache, PreTrainedModel
 
 
@@ -24,29 +33,98 @@ def new_cache(model: PreTrainedModel) -> Cache:
     return cache
 
 
-def keep_accepted(cache: Cache, block_size: int, accepted: list[int]) -> None:
-    """Drop the last `block_size` entries except the root and the `accepted` block indices."""
-    kept = len(accepted) + 1
-    moved = accepted if accepted != list(range(1, kept)) else []
-    offsets: dict[torch.device, torch.Tensor] = {}  # one host-to-device copy per device, not per layer
-    for layer in cache.layers:
-        if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
-            continue
-        stored = layer.keys.shape[-2]
-        start = stored - block_size
-        if moved:
-            device = layer.keys.device
-            if device not in offsets:
-                offsets[device] = torch.tensor(moved, device=device)
-            source = offsets[device] + start
-            layer.keys[..., start + 1 : start + kept, :] = layer.keys.index_select(-2, source)
-            layer.values[..., start + 1 : start + kept, :] = layer.values.index_select(-2, source)
-        end = start + kept
-        if getattr(layer, "is_sliding", False):
-            layer.cumulative_length -= block_size - kept
-            end_window = max(end - (layer.sliding_window - 1), 0)
-            layer.keys = layer.keys[..., end_window:end, :]
-            layer.values = layer.values[..., end_window:end, :]
-        else:
-            layer.keys = layer.keys[..., :end, :]
-            layer.values = layer.values[..., :end, :]
+def has_sliding_layers(cache: Cache) -> bool:
+    """Sliding-window layers keep one length for all rows, so their caches cannot hold rows of different lengths."""
+    return any(getattr(layer, "is_sliding", False) for layer in cache.layers)
+
+
+def _live_layers(cache: Cache) -> list:
+    return [layer for layer in cache.layers if getattr(layer, "is_initialized", True) and layer.keys is not None]
+
+
+class BatchCache:
+    """A transformers cache holding one row per owner (a generation), each row with its own length."""
+
+    def __init__(self, cache: Cache, lengths: Sequence[int], owners: Sequence[Hashable]) -> None:
+        if len(lengths) != len(owners):
+            raise ValueError("one length per owner")
+        self.cache = cache
+        self.lengths = list(lengths)
+        self.owners = list(owners)
+
+    @property
+    def past(self) -> int:
+        """Columns every row has (the longest row's length): where the next block is appended."""
+        return max(self.lengths)
+
+    def keep(self, kept: Sequence[Sequence[int]], block_size: int) -> None:
+        """After a block of `block_size` entries was appended to every row, keep row b's block indices `kept[b]`.
+
+        Each row's list starts with its root (0) and is ascending; the kept entries move, in
+        order, to the columns right after the row's own entries.
+        """
+        past = self.past
+        rows, targets, sources, lengths = [], [], [], []
+        for row, (length, indices) in enumerate(zip(self.lengths, kept, strict=True)):
+            for offset, index in enumerate(indices):
+                if length + offset != past + index:
+                    rows.append(row)
+                    targets.append(length + offset)
+                    sources.append(past + index)
+            lengths.append(length + len(indices))
+        end = max(lengths)
+        indices_on: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # one host-to-device copy per device
+        for layer in _live_layers(self.cache):
+            stored = layer.keys.shape[-2]
+            shift = stored - block_size - past  # below 0 where a sliding layer stores only its window
+            if rows:
+                device = layer.keys.device
+                if device not in indices_on:
+                    indices_on[device] = tuple(torch.tensor(v, device=device) for v in (rows, targets, sources))
+                row_index, target, source = indices_on[device]
+                for states in (layer.keys, layer.values):
+                    states[row_index, :, target + shift] = states[row_index, :, source + shift]
+            if getattr(layer, "is_sliding", False):
+                if len(self.lengths) > 1:
+                    raise ValueError("sliding-window layers cannot hold rows of different lengths")
+                layer.cumulative_length -= block_size - len(kept[0])
+                start = max(end + shift - (layer.sliding_window - 1), 0)
+                layer.keys = layer.keys[..., start : end + shift, :]
+                layer.values = layer.values[..., start : end + shift, :]
+            else:
+                layer.keys = layer.keys[..., :end, :]
+                layer.values = layer.values[..., :end, :]
+        self.lengths = lengths
+
+    def select(self, owners: Sequence[Hashable]) -> BatchCache:
+        """The rows of `owners`, in that order, trimmed to the longest of them (this cache is consumed)."""
+        rows = [self.owners.index(owner) for owner in owners]
+        if rows == list(range(len(self.owners))):
+            return self
+        lengths = [self.lengths[row] for row in rows]
+        end = max(lengths)
+        for layer in _live_layers(self.cache):
+            index = torch.tensor(rows, device=layer.keys.device)
+            layer.keys = layer.keys.index_select(0, index)[..., :end, :]
+            layer.values = layer.values.index_select(0, index)[..., :end, :]
+        return BatchCache(self.cache, lengths, owners)
+
+    @classmethod
+    def merge(cls, parts: Sequence[BatchCache]) -> BatchCache:
+        """One cache of all rows of `parts`, in order (the parts are consumed)."""
+        if len(parts) == 1:
+            return parts[0]
+        if any(has_sliding_layers(part.cache) for part in parts):
+            raise ValueError("sliding-window layers cannot hold rows of different lengths")
+        lengths = [length for part in parts for length in part.lengths]
+        end = max(lengths)
+        first = parts[0].cache
+        live = {id(layer) for layer in _live_layers(first)}
+        for number, layer in enumerate(first.layers):
+            if id(layer) not in live:
+                continue
+            for name in ("keys", "values"):
+                states = [getattr(part.cache.layers[number], name) for part in parts]
+                padded = [F.pad(s, (0, 0, 0, end - s.shape[-2])) for s in states]
+                setattr(layer, name, torch.cat(padded, dim=0))
+        return cls(first, lengths, [owner for part in parts for owner in part.owners])

@@ -1,17 +1,26 @@
-"""Attention masks and position ids for a block verified after `past` cached tokens, on the model's device.
+"""Input ids, attention masks and position ids for blocks verified after cached tokens, on the model's device.
 
-A branching tree needs a 4-D additive mask: every block entry sees the whole cache and,
-within the block, only its own ancestors; and positions by depth. Only the block's own
-(n+1) x (n+1) part comes from the tree and crosses to the device; the cache columns are
-filled on the device, so a step's host work does not grow with the context. A single path
-(or no draft) uses the ordinary causal mask, which every model supports.
+One row with a single path (or no draft, or a prompt) uses the ordinary causal mask, which
+every model supports. A branching tree needs a 4-D additive mask: every block entry sees the
+row's cache and, within the block, only its own ancestors; positions go by depth. Several
+rows (left-aligned, of different lengths, the block appended at the longest row's length)
+need each row's gap hidden: a 4-D mask for tree-capable models, a 2-D padding mask for
+chain-only ones (ALiBi models read positions off it). Only the block's own part comes from
+the host; the cache columns are filled on the device, so a step's host work does not grow
+with the context. Every query row sees at least one key (its own entry), so none is NaN.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
 from ..drafting.tree import DraftTree
+
+Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""input_ids (B, Q), attention_mask (2-D or 4-D), position_ids (B, Q)."""
 
 
 def tree_mask(tree: DraftTree, past: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -37,3 +46,46 @@ def causal_inputs(past: int, size: int, device: torch.device | str) -> tuple[tor
     mask = torch.ones((1, past + size), dtype=torch.long, device=device)
     positions = torch.arange(past, past + size, device=device).unsqueeze(0)
     return mask, positions
+
+
+def block_inputs(
+    blocks: Sequence[Sequence[int]],
+    trees: Sequence[DraftTree | None],
+    lengths: Sequence[int],
+    tree_masks: bool,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> Inputs:
+    """Inputs of row b's `blocks[b]` (its root, then `trees[b]`'s nodes; None: a plain run of tokens).
+
+    `lengths[b]` entries of row b are cached; the block goes at the longest row's length.
+    `tree_masks` False: the model takes only 2-D masks, so every row's block must be a path.
+    """
+    past = max(lengths)
+    if len(blocks) == 1:
+        ids = torch.tensor([list(blocks[0])], dtype=torch.long, device=device)
+        tree = trees[0]
+        if tree is not None and not tree.is_chain:
+            return ids, tree_mask(tree, past, dtype, device), tree_positions(tree, past, device)
+        return ids, *causal_inputs(past, len(blocks[0]), device)
+    width = max(map(len, blocks))
+    ids = torch.tensor([[*block, *[block[0]] * (width - len(block))] for block in blocks], dtype=torch.long)
+    depths = np.zeros((len(blocks), width), dtype=np.int64)
+    for row, tree in enumerate(trees):
+        depths[row, : len(blocks[row])] = [0, *tree.depths] if tree is not None else range(len(blocks[row]))
+        if not tree_masks:
+            depths[row, len(blocks[row]) :] = range(len(blocks[row]), width)
+    cached = torch.tensor(lengths, dtype=torch.long, device=device)
+    positions = torch.from_numpy(depths).to(device) + cached[:, None]
+    seen = torch.arange(past, device=device)[None, :] < cached[:, None]  # each row's own entries, not its gap
+    if not tree_masks:
+        real = torch.arange(width)[None, :] < torch.tensor([len(block) for block in blocks])[:, None]
+        return ids.to(device), torch.cat([seen, real.to(device)], dim=1).long(), positions
+    within = np.zeros((len(blocks), width, width), dtype=bool)
+    for row, (block, tree) in enumerate(zip(blocks, trees, strict=True)):
+        size = len(block)
+        within[row, :size, :size] = tree.ancestor_matrix() if tree is not None else np.tri(size, dtype=bool)
+        within[row, range(size, width), range(size, width)] = True  # padding sees itself only
+    allowed = torch.cat([seen[:, None, :].expand(-1, width, -1), torch.from_numpy(within).to(device)], dim=-1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return ids.to(device), mask[:, None], positions

@@ -1,16 +1,17 @@
-"""One decoding step over a list of generations, and the loop around it.
+"""One decoding step over a list of generations.
 
 A step asks each generation's drafter for a draft tree, hands all the trees to a Verifier
 in one call, tells each drafter what was kept, and appends the emitted tokens up to the
 first stop. The Verifier is the only part that differs between a real run (the model:
 decoding/verifier.py) and the offline replay (the recorded outputs: bench/replay.py), so the
-two cannot drift apart. Nothing here touches torch.
+two cannot drift apart. The loop around steps (joins, leaves; one generation or many) is
+batch.py. Nothing here touches torch.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 from ..drafting.drafter import Drafting
@@ -31,6 +32,9 @@ class Verdict(NamedTuple):
 class Verifier(Protocol):
     """The model's side of a step, for a list of generations at once."""
 
+    batched: bool
+    """True if the generations of one `verify` call share one forward pass (else one pass each)."""
+
     def prefill(self, generations: Sequence[Generation]) -> list[int]:
         """Read each prompt; the first new token of each generation."""
         ...
@@ -50,16 +54,24 @@ def start(generations: Sequence[Generation], verifier: Verifier) -> list[list[in
     return [generation.take([token]) for generation, token in zip(generations, firsts, strict=True)]
 
 
-def step(generations: Sequence[Generation], verifier: Verifier) -> list[list[int]]:
-    """Draft → verify → keep, once for every generation; the tokens each one kept."""
+def step(generations: Sequence[Generation], verifier: Verifier, drafting: Drafting | None = None) -> list[list[int]]:
+    """Draft → verify → keep, once for every generation; the tokens each one kept.
+
+    With `drafting`, the rows' candidates are cut together to the width worth its cost,
+    and the step's time is reported back to it.
+    """
     trees = [_propose(generation, verifier) for generation in generations]
+    if drafting is not None:
+        trees = drafting.fit(trees)
     verdicts, milliseconds = verifier.verify(generations, trees)
+    if drafting is not None:
+        drafting.observe(trees, milliseconds)
     kept = []
     for generation, tree, (accepted, emitted) in zip(generations, trees, verdicts, strict=True):
         stats = generation.stats
         if generation.drafter is not None:
             clock = time.perf_counter()
-            generation.drafter.verified(tree, accepted, milliseconds)
+            generation.drafter.verified(tree, accepted)
             stats.draft_s += time.perf_counter() - clock
         stats.steps += 1
         stats.draft_tokens += len(tree)
@@ -78,23 +90,6 @@ def _propose(generation: Generation, verifier: Verifier) -> DraftTree:
     return tree
 
 
-def decode(generation: Generation, verifier: Verifier, drafting: Drafting | None = None) -> Iterator[list[int]]:
-    """Prefill, then steps until the generation is done; yields the tokens kept at each.
-
-    With `drafting`, a drafter is opened for the generation and closed however the loop ends
-    (exhausted, or closed early by the caller); without, this is plain decoding.
-    """
-    generation.drafter = drafting.open(generation.prompt) if drafting is not None else None
-    try:
-        yield start([generation], verifier)[0]
-        while not generation.done:
-            yield step([generation], verifier)[0]
-    finally:
-        if generation.drafter is not None:
-            generation.drafter.close()
-        generation.cache = None
-
-
 class Priced:
     """A verifier whose steps are reported to take what `cost` predicts, not what the clock says.
 
@@ -106,12 +101,16 @@ class Priced:
         self.verifier = verifier
         self.cost = cost
 
+    @property
+    def batched(self) -> bool:
+        return self.verifier.batched
+
     def prefill(self, generations: Sequence[Generation]) -> list[int]:
         return self.verifier.prefill(generations)
 
     def verify(self, generations: Sequence[Generation], trees: Sequence[DraftTree]) -> tuple[list[Verdict], float]:
         verdicts, _ = self.verifier.verify(generations, trees)
-        return verdicts, sum(self.cost.predict(len(tree) + 1) for tree in trees)
+        return verdicts, self.cost.predict(max(len(tree) for tree in trees) + 1, len(trees))
 
     def may_branch(self, generation: Generation) -> bool:
         return self.verifier.may_branch(generation)

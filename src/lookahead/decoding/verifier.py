@@ -1,8 +1,13 @@
-"""Verification on the model: each draft packed behind its root, one forward pass, the walk, the cache kept.
+"""Verification on the model: every row's draft packed behind its root, one forward pass, the walks, the caches kept.
 
-This is the Verifier the engine's step runs through (decoding/step.py). Work on tensors
-happens inside `torch.inference_mode()` entered here, per call, so nothing is left in
-inference mode between steps: a caller iterating a stream keeps its own autograd state.
+This is the Verifier the engine's step runs through (decoding/step.py). The generations
+passed to one `verify` call are one batch: their caches are merged into one padded cache
+(decoding/kvcache.py: BatchCache) the first time they are stepped together, and a
+generation no longer passed leaves it. A model that cannot verify rows of different lengths
+together (sliding-window layers, or a failed probe) verifies them one after another.
+
+Work on tensors happens inside `torch.inference_mode()` entered here, per call, so nothing
+is left in inference mode between steps: a caller iterating a stream keeps its own autograd.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from ..drafting.tree import DraftTree
 from .capability import DraftMode
 from .forward import ModelForward
 from .generation import Generation
-from .kvcache import keep_accepted
+from .kvcache import BatchCache
 from .sampling import TokenChooser
 from .step import Verdict
 from .verify import accept, accept_greedy
@@ -27,17 +32,37 @@ def _node_choice(chooser: TokenChooser, logits: torch.Tensor, tokens: list[int])
     return lambda node, path: chooser.choose(logits[node], tokens + path)
 
 
+def _chooser(generation: Generation) -> TokenChooser:
+    if generation.chooser is None:
+        raise ValueError("a generation verified on the model needs a token chooser")
+    return generation.chooser
+
+
+def _batch(generations: Sequence[Generation]) -> BatchCache:
+    """The one cache of exactly these generations: merged from their caches, leavers' rows dropped."""
+    first = generations[0].cache
+    if first.owners == list(generations):
+        return first
+    caches: list[BatchCache] = []
+    for generation in generations:
+        if not any(generation.cache is cache for cache in caches):
+            caches.append(generation.cache)
+    parts = [cache.select([g for g in generations if g.cache is cache]) for cache in caches]
+    merged = BatchCache.merge(parts)
+    for generation in generations:
+        generation.cache = merged
+    return merged
+
+
 class ModelVerifier:
-    """Prefill and verification of generations on one model, each generation with its own cache.
+    """Prefill and verification of generations on one model."""
 
-    Generations are verified one after another; a batched forward replaces the loop in `verify`
-    without changing its callers.
-    """
-
-    def __init__(self, forward: ModelForward, mode: DraftMode, max_draft: int) -> None:
+    def __init__(self, forward: ModelForward, mode: DraftMode, max_draft: int, batched: bool) -> None:
         self.forward = forward
         self.mode = mode
         self.max_draft = max_draft
+        self.batched = batched
+        """True if rows of different lengths can share one forward pass."""
         window = getattr(forward.config, "sliding_window", None)
         self._window = window if isinstance(window, int) and window > 0 else None
 
@@ -52,36 +77,52 @@ class ModelVerifier:
         with torch.inference_mode():
             for generation in generations:
                 clock = time.perf_counter()
-                generation.cache = self.forward.new_cache()
-                logits = self.forward(generation.cache, generation.prompt, 0, last_only=True)[-1]
-                firsts.append(self._chooser(generation).choose(logits, generation.prompt))
+                cache = self.forward.new_cache()
+                logits = self.forward(cache, generation.prompt, 0, last_only=True)[-1]
+                generation.cache = BatchCache(cache, [len(generation.prompt)], [generation])
+                firsts.append(_chooser(generation).choose(logits, generation.prompt))
                 generation.stats.prefill_s += time.perf_counter() - clock
         return firsts
 
     def verify(self, generations: Sequence[Generation], trees: Sequence[DraftTree]) -> tuple[list[Verdict], float]:
-        verdicts = []
-        model_s = 0.0
+        pairs = list(zip(generations, trees, strict=True))
+        groups = [pairs] if self.batched else [[pair] for pair in pairs]
+        verdicts: dict[int, Verdict] = {}
+        milliseconds = 0.0
         with torch.inference_mode():
-            for generation, tree in zip(generations, trees, strict=True):
-                stats, tokens, chooser = generation.stats, generation.tokens, self._chooser(generation)
-                tick = time.perf_counter()
-                logits = self.forward(generation.cache, [tokens[-1], *tree.tokens], len(tokens) - 1, tree)
-                tock = time.perf_counter()
-                if chooser.plain_argmax:
-                    accepted, emitted = accept_greedy(tree, logits.argmax(-1).tolist())
-                else:
-                    accepted, emitted = accept(tree, _node_choice(chooser, logits, tokens))
-                tack = time.perf_counter()
-                keep_accepted(generation.cache, len(tree) + 1, accepted)
-                stats.forward_s += tock - tick
-                stats.verify_s += tack - tock
-                stats.compact_s += time.perf_counter() - tack
-                model_s += tack - tick
-                verdicts.append(Verdict(accepted, emitted))
-        return verdicts, model_s * 1000
+            for group in groups:
+                milliseconds += self._verify_rows(group, verdicts)
+        return [verdicts[id(generation)] for generation in generations], milliseconds
 
-    @staticmethod
-    def _chooser(generation: Generation) -> TokenChooser:
-        if generation.chooser is None:
-            raise ValueError("a generation verified on the model needs a token chooser")
-        return generation.chooser
+    def _verify_rows(self, pairs: list[tuple[Generation, DraftTree]], verdicts: dict[int, Verdict]) -> float:
+        """One forward pass over these rows; their verdicts into `verdicts`; the milliseconds of the model's work."""
+        tree_of = {id(generation): tree for generation, tree in pairs}
+        batch = _batch([generation for generation, _ in pairs])
+        rows: list[Generation] = batch.owners  # the cache's row order
+        trees = [tree_of[id(generation)] for generation in rows]
+        for generation, length in zip(rows, batch.lengths, strict=True):
+            if length != len(generation.tokens) - 1:
+                raise RuntimeError("a generation's cache does not match its tokens")
+        blocks = [[generation.tokens[-1], *tree.tokens] for generation, tree in zip(rows, trees, strict=True)]
+        tick = time.perf_counter()
+        logits = self.forward.rows(batch.cache, blocks, trees, batch.lengths, tree_masks=self.mode == "tree")
+        tock = time.perf_counter()
+        choosers = [_chooser(generation) for generation in rows]
+        argmax = logits.argmax(-1).tolist() if any(c.plain_argmax for c in choosers) else None
+        kept = []
+        for row, (generation, tree, chooser) in enumerate(zip(rows, trees, choosers, strict=True)):
+            if chooser.plain_argmax:
+                accepted, emitted = accept_greedy(tree, argmax[row])
+            else:
+                accepted, emitted = accept(tree, _node_choice(chooser, logits[row], generation.tokens))
+            verdicts[id(generation)] = Verdict(accepted, emitted)
+            kept.append([0, *accepted])
+        tack = time.perf_counter()
+        batch.keep(kept, max(map(len, blocks)))
+        done = time.perf_counter()
+        for generation in rows:
+            stats = generation.stats
+            stats.forward_s += tock - tick
+            stats.verify_s += tack - tock
+            stats.compact_s += done - tack
+        return (tack - tick) * 1000

@@ -1,18 +1,18 @@
-"""The drafting seam: what a step asks of a drafter, and the trie drafter that answers.
+"""The drafting seam: what a step asks of drafters, and the trie drafter that answers.
 
-A `Drafter` serves one request: it proposes a draft tree before each step, hears what
-verification made of it, learns the tokens the request kept, and is closed when the request
-ends. A `Drafting` is engine-wide and opens one drafter per request. The decoding step knows
-only these two protocols, so another draft source (a suffix index, a draft model) plugs in
-without touching decoding; the trie drafter is the one we ship.
+A `Drafter` serves one request: before each step it proposes its candidate continuations
+(likeliest first, each with its chance of acceptance), hears what verification kept, learns
+the tokens the request kept, and is closed when the request ends. A `Drafting` is
+engine-wide: it opens one drafter per request and decides, for all the rows of a step
+together, how much of their candidates is worth the forward pass's cost. The decoding step
+knows only these two protocols, so another draft source (a suffix index, a draft model)
+plugs in without touching decoding; the trie drafter is the one we ship.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from typing import Protocol
-
-import numpy as np
 
 from ..config import LookaheadConfig
 from .policy import Calibration, CostModel, DraftPolicy
@@ -24,14 +24,14 @@ class Drafter(Protocol):
     """One request's draft source."""
 
     def propose(self, context: Sequence[int], room: int, branching: bool) -> DraftTree:
-        """The draft for the step whose root is `context[-1]`; `room` tokens may still be emitted.
+        """Candidates for the step whose root is `context[-1]`, likeliest first; `room` tokens may still be emitted.
 
         `branching` False asks for a single path (the model cannot verify a tree here).
         """
         ...
 
-    def verified(self, tree: DraftTree, accepted: Sequence[int], milliseconds: float | None) -> None:
-        """What verification kept of `tree` (block indices) and what the step cost."""
+    def verified(self, tree: DraftTree, accepted: Sequence[int]) -> None:
+        """What verification kept of the sent `tree` (block indices of the accepted nodes)."""
         ...
 
     def learn(self, tokens: Sequence[int]) -> None:
@@ -44,9 +44,17 @@ class Drafter(Protocol):
 
 
 class Drafting(Protocol):
-    """Engine-wide drafting state: opens one drafter per request."""
+    """Engine-wide drafting: one drafter per request, and what each step sends of all rows' candidates."""
 
     def open(self, prompt: Sequence[int]) -> Drafter: ...
+
+    def fit(self, trees: Sequence[DraftTree]) -> list[DraftTree]:
+        """The part of each row's candidates to verify in this step (a prefix of each)."""
+        ...
+
+    def observe(self, trees: Sequence[DraftTree], milliseconds: float) -> None:
+        """The milliseconds the step that verified `trees` together took."""
+        ...
 
 
 class TrieDrafter:
@@ -73,10 +81,10 @@ class TrieDrafter:
             min_score=config.min_score,
             chance=None if rates is None else lambda flags, ratio, deep: rates[Calibration.cell(flags, ratio, deep)],
         )
-        return tree if rates is None else policy.choose(tree, np.asarray(rates))
+        return tree
 
-    def verified(self, tree: DraftTree, accepted: Sequence[int], milliseconds: float | None) -> None:
-        self.policy.feedback(tree, accepted, milliseconds, self.calibration)
+    def verified(self, tree: DraftTree, accepted: Sequence[int]) -> None:
+        self.policy.learn(tree, accepted, self.calibration)
 
     def learn(self, tokens: Sequence[int]) -> None:
         self.trie.observe(self.request, tokens)
@@ -107,3 +115,9 @@ class TrieDrafting:
 
     def open(self, prompt: Sequence[int]) -> TrieDrafter:
         return TrieDrafter(self.trie, self.config, self.policy, prompt)
+
+    def fit(self, trees: Sequence[DraftTree]) -> list[DraftTree]:
+        return self.policy.fit(trees)
+
+    def observe(self, trees: Sequence[DraftTree], milliseconds: float) -> None:
+        self.policy.observe(trees, milliseconds)

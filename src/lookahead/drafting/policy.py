@@ -28,39 +28,68 @@ from .ngrams import OUTPUT, PROMPT
 from .tree import DraftTree
 
 
+def _curve(points: Mapping[int | str, float]) -> tuple[list[int], list[float]]:
+    """Measured (width, ms) points as ascending widths and smoothed times (see CostModel)."""
+    ordered = sorted((int(w), float(ms)) for w, ms in points.items())
+    if len(ordered) < 2 or any(ms <= 0 for _, ms in ordered):
+        raise ValueError("a cost model needs at least two widths with positive times")
+    widths = [w for w, _ in ordered]
+    base = [ms for _, ms in ordered]
+    wide = [i for i, w in enumerate(widths) if w >= CostModel.SMOOTH_FROM]
+    if len(wide) >= 3:
+        slope, intercept = np.polyfit([widths[i] for i in wide], [base[i] for i in wide], 1)
+        for i in wide:
+            base[i] = max(float(intercept + slope * widths[i]), 1e-3)
+    return widths, base
+
+
+def _at(widths: list[int], base: list[float], width: int) -> float:
+    """The curve at `width`, linear between points and beyond the ends (never below half the narrowest)."""
+    i = min(max(bisect.bisect_left(widths, width), 1), len(widths) - 1)
+    w0, w1, c0, c1 = widths[i - 1], widths[i], base[i - 1], base[i]
+    return max(c0 + (c1 - c0) * (width - w0) / (w1 - w0), base[0] * 0.5)
+
+
 class CostModel:
-    """Forward-pass milliseconds by width (root + draft nodes), from measured points.
+    """Forward-pass milliseconds by width (root + draft nodes) and rows (sequences verified together).
 
     Widths below SMOOTH_FROM are kept as measured: on CPUs, 2 or 3 tokens can cost more than
     8 (the matrix kernels change), and the policy must know. From SMOOTH_FROM up the cost is
     close to a straight line and the measurement noise is larger than its curvature, so those
-    points are replaced by a least-squares line through them.
+    points are replaced by a least-squares line through them. `batched` adds a curve per
+    measured row count; other row counts are interpolated between them (and extrapolated
+    past the largest from the last two).
     """
 
     SMOOTH_FROM = 4
 
-    def __init__(self, points: Mapping[int | str, float]) -> None:
-        ordered = sorted((int(w), float(ms)) for w, ms in points.items())
-        if len(ordered) < 2 or any(ms <= 0 for _, ms in ordered):
-            raise ValueError("a cost model needs at least two widths with positive times")
-        self.widths = [w for w, _ in ordered]
-        self.base = [ms for _, ms in ordered]
-        wide = [i for i, w in enumerate(self.widths) if w >= self.SMOOTH_FROM]
-        if len(wide) >= 3:
-            slope, intercept = np.polyfit([self.widths[i] for i in wide], [self.base[i] for i in wide], 1)
-            for i in wide:
-                self.base[i] = max(float(intercept + slope * self.widths[i]), 1e-3)
+    def __init__(
+        self, points: Mapping[int | str, float], batched: Mapping[int | str, Mapping[int | str, float]] | None = None
+    ) -> None:
+        self.widths, self.base = _curve(points)
+        """The curve of one row."""
+        self._curves = {1: (self.widths, self.base)}
+        self._curves.update({int(rows): _curve(curve) for rows, curve in (batched or {}).items()})
+        self._rows = sorted(self._curves)
         self.scale = 1.0
 
-    def predict(self, width: int) -> float:
-        widths, base = self.widths, self.base
-        i = min(max(bisect.bisect_left(widths, width), 1), len(widths) - 1)
-        w0, w1, c0, c1 = widths[i - 1], widths[i], base[i - 1], base[i]
-        return self.scale * max(c0 + (c1 - c0) * (width - w0) / (w1 - w0), base[0] * 0.5)
+    @property
+    def rows(self) -> list[int]:
+        """The row counts measured."""
+        return list(self._rows)
 
-    def observe(self, width: int, milliseconds: float) -> None:
+    def predict(self, width: int, rows: int = 1) -> float:
+        if rows == 1 or len(self._rows) == 1:
+            return self.scale * _at(self.widths, self.base, width)
+        known = self._rows
+        i = min(max(bisect.bisect_left(known, rows), 1), len(known) - 1)
+        r0, r1 = known[i - 1], known[i]
+        c0, c1 = (_at(*self._curves[r], width) for r in (r0, r1))
+        return self.scale * max(c0 + (c1 - c0) * (rows - r0) / (r1 - r0), c0)  # more rows never cost less
+
+    def observe(self, width: int, milliseconds: float, rows: int = 1) -> None:
         """Follow drift (load, longer context) with one slowly moving factor; ignore outliers."""
-        surprise = milliseconds / self.predict(width)
+        surprise = milliseconds / self.predict(width, rows)
         if 0.2 < surprise < 5:
             self.scale = 0.95 * self.scale + 0.05 * self.scale * surprise
 
@@ -136,21 +165,18 @@ class Calibration:
 TRIE_PRIOR = Calibration.trie_prior()
 
 
-def path_probabilities(tree: DraftTree, rates: np.ndarray) -> np.ndarray:
-    """Chance that each node is accepted: its cell's rate times its parent's chance."""
-    step = rates[Calibration.cells(tree)]
-    chance = np.ones(len(tree) + 1)
-    for node, parent in enumerate(tree.parents):
-        chance[node + 1] = chance[parent] * step[node]
-    return chance[1:]
+def best_width(chances: Sequence[Sequence[float]], cost: CostModel) -> int:
+    """Draft nodes per row worth sending: most expected tokens of all rows per predicted millisecond.
 
-
-def best_prefix(probabilities: Sequence[float], cost: CostModel) -> int:
-    """Number of leading nodes maximising (1 + expected accepted) / predicted cost; 0 = no draft."""
-    best, best_rate, expected = 0, 1.0 / cost.predict(1), 1.0
-    for k, p in enumerate(probabilities, start=1):
-        expected += p
-        rate = expected / cost.predict(k + 1)
+    `chances[b]` are row b's candidates' chances of acceptance, likeliest first. Every row of
+    a batch pays for the widest row's block, so each row sends its first k nodes (fewer if it
+    has fewer) for one k; 0 means plain decoding of every row this step.
+    """
+    rows = len(chances)
+    best, best_rate, expected = 0, rows / cost.predict(1, rows), float(rows)
+    for k in range(1, max(map(len, chances), default=0) + 1):
+        expected += sum(row[k - 1] for row in chances if len(row) >= k)
+        rate = expected / cost.predict(k + 1, rows)
         if rate > best_rate:
             best, best_rate = k, rate
     return best
@@ -186,24 +212,22 @@ class DraftPolicy:
         """Per cell, the chance a node is accepted once its parent is, as `request` should expect it."""
         return request.rates(self.calibration.rates(TRIE_PRIOR))
 
-    def choose(self, tree: DraftTree, rates: np.ndarray) -> DraftTree:
-        """The nodes worth their cost: the likeliest first (parents never after children), cut by best_prefix."""
-        if self.cost is None or not len(tree):
-            return tree
-        chance = path_probabilities(tree, rates)
-        # a child is never likelier than its parent and a stable sort keeps ties in tree order,
-        # so every prefix of this order holds its nodes' parents
-        order = np.argsort(-chance, kind="stable")
-        size = best_prefix(chance[order].tolist(), self.cost)
-        return tree if size == len(tree) else tree.subtree(sorted(order[:size].tolist()))
+    def fit(self, trees: Sequence[DraftTree]) -> list[DraftTree]:
+        """What each row sends of its candidates (likeliest first): the width worth its cost for all rows together."""
+        if self.cost is None or not any(trees):
+            return list(trees)
+        size = best_width([tree.chances for tree in trees], self.cost)
+        return [tree.prefix(size) for tree in trees]
 
-    def feedback(
-        self, tree: DraftTree, accepted: Sequence[int], milliseconds: float | None, request: Calibration
-    ) -> None:
+    def learn(self, tree: DraftTree, accepted: Sequence[int], request: Calibration) -> None:
+        """Calibrate, engine-wide and for the request, by what verification kept of `tree` (block indices)."""
         if self.cost is None:
             return
         observed = Calibration.observations(tree, accepted)  # once for both calibrations
         self.calibration.record(*observed)
         request.record(*observed)
-        if milliseconds is not None:
-            self.cost.observe(len(tree) + 1, milliseconds)
+
+    def observe(self, trees: Sequence[DraftTree], milliseconds: float) -> None:
+        """What the step that verified `trees` together cost."""
+        if self.cost is not None:
+            self.cost.observe(max(len(tree) for tree in trees) + 1, milliseconds, len(trees))

@@ -23,16 +23,18 @@ class DraftTree:
     """The trie's estimate that the node follows its parent: its count over its parent's count."""
     sources: list[int] = field(default_factory=list)
     """Where each node's n-gram was seen: OR of the trie's source flags (prompt, output, corpus)."""
+    chances: list[float] = field(default_factory=list)
+    """The drafter's estimate that each node's path is accepted; nodes come likeliest first."""
 
     def __post_init__(self) -> None:
-        if len(self.tokens) != len(self.parents):
+        count = len(self.tokens)
+        if len(self.parents) != count:
             raise ValueError("tokens and parents must have the same length")
-        if not self.ratios:
-            self.ratios = [1.0] * len(self.tokens)
-        if not self.sources:
-            self.sources = [0] * len(self.tokens)
-        if not len(self.tokens) == len(self.ratios) == len(self.sources):
-            raise ValueError("every node needs one ratio and one source")
+        self.ratios = self.ratios or [1.0] * count
+        self.sources = self.sources or [0] * count
+        self.chances = self.chances or [1.0] * count
+        if not count == len(self.ratios) == len(self.sources) == len(self.chances):
+            raise ValueError("every node needs one ratio, one source and one chance")
         for i, parent in enumerate(self.parents):
             if not 0 <= parent <= i:
                 raise ValueError(f"node {i} has parent {parent}: parents must come first")
@@ -70,9 +72,16 @@ class DraftTree:
             parents = [block[self.parents[node]] for node in keep]
         except KeyError:
             raise ValueError("a kept node's parent was not kept") from None
-        pick = [self.tokens, self.ratios, self.sources]
-        tokens, ratios, sources = ([column[node] for node in keep] for column in pick)
-        return DraftTree(tokens, parents, ratios, sources)
+        pick = [self.tokens, self.ratios, self.sources, self.chances]
+        tokens, ratios, sources, chances = ([column[node] for node in keep] for column in pick)
+        return DraftTree(tokens, parents, ratios, sources, chances)
+
+    def prefix(self, size: int) -> DraftTree:
+        """The first `size` nodes: a tree as they are, since parents come before their children."""
+        if size >= len(self.tokens):
+            return self
+        return DraftTree(self.tokens[:size], self.parents[:size], self.ratios[:size], self.sources[:size],
+                         self.chances[:size])  # fmt: skip
 
     def children(self) -> list[dict[int, int]]:
         """Per block index, the map token -> block index of its child."""

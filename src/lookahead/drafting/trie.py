@@ -211,10 +211,10 @@ class TokenTrie:
         ratios along a path estimates the chance the path is accepted. Nodes are taken in
         order of that chance, or of the product along the path of `chance(source flags,
         count ratio, parent is a draft node)` when the caller has learned better (the
-        adaptive policy). At most
-        `budget` nodes, `max_depth` deep; with `branching` off, a single path (for models
-        that cannot take a tree mask). The work done is bounded by the budget times
-        SCAN_CHILDREN, whatever the trie's size.
+        adaptive policy), and listed in that order with those chances, so every prefix of
+        the tree is a tree. At most `budget` nodes, `max_depth` deep; with `branching` off,
+        a single path (for models that cannot take a tree mask). The work done is bounded by
+        the budget times SCAN_CHILDREN, whatever the trie's size.
         """
         if budget < 1 or max_depth < 1 or not context:
             return DraftTree()
@@ -252,6 +252,7 @@ class TokenTrie:
         parents: list[int] = []
         ratios: list[float] = []
         sources: list[int] = []
+        chances: list[float] = []
         # heap entries: (-path chance, tie-break, token, parent block index, depth, count ratio, flags, store nodes)
         heap: list[tuple[float, int, int, int, int, float, int, list[tuple[NgramStore, int]]]] = []
         counter = 0
@@ -286,9 +287,10 @@ class TokenTrie:
             parents.append(parent)
             ratios.append(ratio)
             sources.append(flags)
+            chances.append(-neg_chance)
             if depth < max_depth:
                 push_children(nodes, len(tokens), -neg_chance, depth + 1)
-        return DraftTree(tokens, parents, ratios, sources)
+        return DraftTree(tokens, parents, ratios, sources, chances)
 
     # ---- introspection ----------------------------------------------------------------
 

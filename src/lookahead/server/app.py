@@ -37,7 +37,9 @@ class ServerSettings:
     """The name clients pass as `model`; any other name is a 404."""
     api_key: str | None = None
     max_queue: int = 32
-    """Requests that may wait behind the running one; more are answered 503 with Retry-After."""
+    """Requests that may wait for a place in the batch; more are answered 503 with Retry-After."""
+    max_batch: int = 8
+    """Generations decoded together (a request with n choices takes n)."""
     trie_path: str | None = None
     save_every_s: float = 600.0
     max_body_bytes: int = 2 * 1024 * 1024
@@ -45,7 +47,7 @@ class ServerSettings:
 
 def create_app(engine: LookaheadEngine, settings: ServerSettings) -> FastAPI:
     """An app serving `engine`; its lifespan starts the worker and keeps the trie file."""
-    scheduler = Scheduler(settings.max_queue)
+    scheduler = Scheduler(engine.batch(settings.max_batch), settings.max_queue)
     metrics = Metrics(engine, scheduler)
     scheduler.on_finish = metrics.finished
     saver = None
@@ -86,8 +88,11 @@ def create_app(engine: LookaheadEngine, settings: ServerSettings) -> FastAPI:
             raise APIError(404, message, "model", "model_not_found")
 
     async def answer(request: Request, body: GenerationRequest, plan: Plan, reply: Reply, label: str) -> Response:
+        if plan.choices > settings.max_batch:
+            message = f"n={plan.choices} choices do not fit this server's batch of {settings.max_batch}"
+            raise APIError(400, message, "n", "invalid_value")
         try:
-            job = scheduler.submit(plan.starter(engine), label)
+            job = scheduler.submit(plan.generations(engine), label)
         except QueueFull as full:
             message = f"the server is busy ({scheduler.waiting} requests waiting); retry later"
             raise APIError(503, message, code="queue_full", headers={"Retry-After": str(full.retry_after)}) from None
@@ -106,6 +111,7 @@ def create_app(engine: LookaheadEngine, settings: ServerSettings) -> FastAPI:
             "model": settings.model_name,
             "queue_length": scheduler.waiting,
             "busy": scheduler.busy,
+            "running": scheduler.running,
             "trie_nodes": len(engine.trie),
         }
 

@@ -50,10 +50,10 @@ class Exchange:
         self.job.cancel()
 
     def usage(self) -> dict[str, int]:
-        return usage(len(self.plan.prompt_ids), len(self.job.output.token_ids))
+        return usage(len(self.plan.prompt_ids), sum(len(output.token_ids) for output in self.job.outputs))
 
-    async def first(self) -> str | None:
-        """The first text delta (None if the answer is empty); an error here still gets its status code."""
+    async def first(self) -> tuple[int, str] | None:
+        """The first (choice, text delta); None if the answer is empty. An error here still gets its status code."""
         return await self._next_or_fail(anext(self._deltas, None))
 
     async def whole(self) -> dict:
@@ -65,16 +65,23 @@ class Exchange:
 
         await self._next_or_fail(drain())
         self.close()
-        output = self.job.output
-        return self.reply.full(output.text, output.finish_reason, self.usage())
+        return self.reply.full([(output.text, output.finish_reason) for output in self.job.outputs], self.usage())
 
-    async def events(self, first: str | None, include_usage: bool) -> AsyncIterator[str]:
+    async def events(self, first: tuple[int, str] | None, include_usage: bool) -> AsyncIterator[str]:
         """The answer as OpenAI stream chunks, ending with `[DONE]`; an error after the headers is an event."""
+        opened: set[int] = set()
+
+        def chunk(index: int, text: str | None = None, finish_reason: str | None = None) -> str:
+            body = self.reply.chunk(index, text, finish_reason, first=index not in opened)
+            opened.add(index)
+            return sse(body)
+
         try:
-            yield sse(self.reply.chunk(first, first=True))
-            async for delta in self._deltas:
-                yield sse(self.reply.chunk(delta))
-            yield sse(self.reply.chunk(finish_reason=self.job.output.finish_reason))
+            yield chunk(*(first or (0, None)))
+            async for index, delta in self._deltas:
+                yield chunk(index, delta)
+            for index, output in enumerate(self.job.outputs):
+                yield chunk(index, finish_reason=output.finish_reason)
             if include_usage:
                 yield sse(self.reply.usage_chunk(self.usage()))
             yield sse("[DONE]")

@@ -6,13 +6,13 @@ waited for its turn must not then fail on its input.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from jinja2 import TemplateError
 
 from ..decoding.engine import LookaheadEngine
+from ..decoding.generation import Generation
 from ..decoding.sampling import request_options
 from .errors import APIError
 from .schemas import ChatRequest, CompletionRequest, GenerationRequest
@@ -23,15 +23,22 @@ FALLBACK_CONTEXT = 2048  # for a model that does not state its context length
 
 @dataclass(frozen=True)
 class Plan:
-    """One generation, ready to queue."""
+    """One request's generations (one per choice), ready to queue."""
 
     prompt_ids: list[int]
     max_tokens: int
     options: dict[str, Any] = field(default_factory=dict)
+    choices: int = 1
 
-    def starter(self, engine: LookaheadEngine) -> Callable[[], Iterable[str]]:
-        """What the worker calls when the request's turn comes: the engine's stream of text deltas."""
-        return lambda: engine.stream(self.prompt_ids, max_new_tokens=self.max_tokens, **self.options)
+    def generations(self, engine: LookaheadEngine) -> list[Generation]:
+        """The checked generations of the request: choice i samples with seed + i when a seed is given."""
+        seed = self.options.get("seed")
+        return [
+            engine.prepare(
+                self.prompt_ids, self.max_tokens, **{**self.options, **({} if seed is None else {"seed": seed + i})}
+            )
+            for i in range(self.choices)
+        ]
 
 
 def plan_completion(engine: LookaheadEngine, request: CompletionRequest) -> Plan:
@@ -70,7 +77,7 @@ def _plan(
             f"{context} tokens; at most {context - len(ids)} new tokens fit"
         )
         raise APIError(400, message, limit_param, "context_length_exceeded")
-    return Plan(ids, max_tokens, engine_options(request))
+    return Plan(ids, max_tokens, engine_options(request), request.n or 1)
 
 
 def engine_options(request: GenerationRequest) -> dict[str, Any]:

@@ -50,6 +50,7 @@ def serve(
         model_name=args.model or DEFAULT_MODEL,
         api_key=args.api_key,
         max_queue=args.max_queue,
+        max_batch=args.max_batch,
         trie_path=args.trie_path,
         save_every_s=args.save_every * 60,
     )

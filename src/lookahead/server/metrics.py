@@ -31,7 +31,10 @@ class Metrics:
         )
         self.prompt_tokens = Counter("lookahead_prompt_tokens", "Prompt tokens of accepted requests", registry=registry)
         self.tokens = Counter("lookahead_generated_tokens", "New tokens generated", registry=registry)
-        self.steps = Counter("lookahead_forward_steps", "Forward passes after prefill", registry=registry)
+        self.steps = Counter(
+            "lookahead_forward_steps", "Steps after prefill, per generation (a batched pass counts once a row)",
+            registry=registry,
+        )  # fmt: skip
         self.tokens_per_step = Histogram(
             "lookahead_tokens_per_step",
             "New tokens per forward pass, per generation",
@@ -60,6 +63,12 @@ class Metrics:
         Gauge("lookahead_busy", "1 while a generation runs", registry=registry).set_function(
             lambda: float(scheduler.busy)
         )
+        Gauge("lookahead_batch_size", "Generations decoded together now", registry=registry).set_function(
+            lambda: scheduler.running
+        )
+        Gauge(
+            "lookahead_block_width", "Tokens per row of the last step's forward pass", registry=registry
+        ).set_function(lambda: scheduler.batch.last_width)
         Gauge("lookahead_trie_nodes", "Nodes in the shared trie", registry=registry).set_function(
             lambda: len(engine.trie)
         )
@@ -71,8 +80,8 @@ class Metrics:
             self.latency.labels(job.label).observe(job.finished - job.submitted)
         if job.started is not None:
             self.queue_wait.observe(job.started - job.submitted)
-        if job.output is not None:
-            stats = job.output.stats
+        for output in job.outputs:
+            stats = output.stats
             self.tokens.inc(stats.new_tokens)
             self.steps.inc(stats.steps)
             self.tokens_per_step.observe(stats.edl)

@@ -1,22 +1,29 @@
-"""First come, first served: one worker thread runs one generation at a time, in arrival order.
+"""Continuous batching: one worker thread steps every running generation together, in arrival order.
 
-The engine's lock keeps forward passes apart but is not fair, and on a CPU two generations at
-once only slow each other down; this queue is fair and keeps the event loop free. The worker
-hands each text delta to the waiting request's coroutine as soon as it is accepted. A job
-cancelled while it waits leaves the queue at once; one cancelled while it runs is stopped at
-its next delta (its stream is closed, which ends the generation and frees the engine).
+Requests wait in a first-come-first-served queue; whenever the batch has room (at most
+`max_batch` generations; a request with n choices takes n places), the next one joins at the
+next step boundary, and a finished or cancelled one leaves at once. The worker hands each
+text delta to the waiting request's coroutine as soon as it is accepted, so the event loop
+never waits for the model. A job cancelled while it waits leaves the queue at once; one
+cancelled while it runs leaves the batch before the next step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
+
+from ..decoding.batch import Batch
+from ..decoding.generation import Generation, GenerationOutput
+
+log = logging.getLogger("lookahead.server")
 
 
 class QueueFull(Exception):
@@ -32,17 +39,17 @@ class Cancelled(Exception):
 
 
 class Job:
-    """One request's generation: the worker fills it, the request's coroutine drains it."""
+    """One request's generations (one per choice): the worker fills it, the request's coroutine drains it."""
 
-    def __init__(self, scheduler: Scheduler, start: Callable[[], Iterable[str]], label: str) -> None:
+    def __init__(self, scheduler: Scheduler, generations: Sequence[Generation], label: str) -> None:
         self._scheduler = scheduler
-        self._start = start
+        self.generations = list(generations)
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        self._stop = threading.Event()
+        self.cancelled = False
         self.label = label
-        self.output: Any = None
-        """What the stream reports once exhausted (the engine's GenerationOutput)."""
+        self.outputs: list[GenerationOutput] = []
+        """What each choice's generation returned, once all of them ended."""
         self.outcome = "waiting"
         """waiting, running, then the finish reason ('stop', 'length'), 'cancelled' or 'error'."""
         self.submitted = time.monotonic()
@@ -50,11 +57,11 @@ class Job:
         self.finished: float | None = None
 
     def cancel(self) -> None:
-        """Leave the queue, or stop generating at the next delta; harmless once finished."""
+        """Leave the queue, or the batch before its next step; harmless once finished."""
         self._scheduler._cancel(self)
 
-    async def deltas(self) -> AsyncIterator[str]:
-        """Text deltas as the worker produces them; raises Cancelled, or the worker's error."""
+    async def deltas(self) -> AsyncIterator[tuple[int, str]]:
+        """(choice index, text delta) as the worker produces them; raises Cancelled, or the worker's error."""
         while True:
             kind, value = await self._events.get()
             if kind == "delta":
@@ -71,46 +78,36 @@ class Job:
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._events.put_nowait, (kind, value))
 
-    def _run(self) -> None:
-        """The worker's side: drive the stream until it ends or the job is cancelled."""
-        self.started = time.monotonic()
-        self.outcome = "running"
-        if self._stop.is_set():  # cancelled between leaving the queue and starting
-            self._finish("cancelled")
-            return
-        try:
-            stream = self._start()
-            try:
-                for delta in stream:
-                    if self._stop.is_set():
-                        break
-                    self._push("delta", delta)
-            finally:
-                getattr(stream, "close", lambda: None)()  # ends the generation if it was cut short
-            if self._stop.is_set():
-                self._finish("cancelled")
-            else:
-                self.output = stream.output  # type: ignore[attr-defined]
-                self._finish(self.output.finish_reason, "end")
-        except Exception as err:
-            self._finish("error", "error", err)
-
     def _finish(self, outcome: str, kind: str | None = None, value: Any = None) -> None:
+        """End the job once: a cancellation racing its last step does not end it twice."""
+        with self._scheduler._cond:
+            if self.finished is not None:
+                return
+            self.finished = time.monotonic()
         self.outcome = outcome
-        self.finished = time.monotonic()
         self._scheduler._ended(self)  # before the client hears: it may read /metrics next
         self._push(kind or outcome, value)
 
 
 class Scheduler:
-    """A FIFO of jobs with one worker; `max_waiting` jobs may wait behind the running one."""
+    """A FIFO of jobs and one worker stepping up to `max_batch` generations together through a Batch.
 
-    def __init__(self, max_waiting: int, on_finish: Callable[[Job], None] = lambda job: None) -> None:
+    `max_waiting` jobs may wait for a place; more are refused with QueueFull.
+    """
+
+    def __init__(
+        self,
+        batch: Batch,
+        max_waiting: int,
+        on_finish: Callable[[Job], None] = lambda job: None,
+    ) -> None:
+        self.batch = batch
         self.max_waiting = max_waiting
         self.on_finish = on_finish
         """Called once per job as it ends, before its client is told (on the worker, or where it was cancelled)."""
         self._waiting: deque[Job] = deque()
-        self._running: Job | None = None
+        self._running: dict[Generation, Job] = {}
+        self._leaving: list[Job] = []
         self._cond = threading.Condition()
         self._closed = False
         self._service_s = 5.0  # running mean of a job's run time, for Retry-After
@@ -122,30 +119,37 @@ class Scheduler:
         return len(self._waiting)
 
     @property
+    def running(self) -> int:
+        """Generations in the batch now."""
+        return len(self._running)
+
+    @property
     def busy(self) -> bool:
-        return self._running is not None
+        return bool(self._running)
 
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, start: Callable[[], Iterable[str]], label: str) -> Job:
-        """Queue `start` (called on the worker, returning the stream of deltas); QueueFull at the limit."""
+    def submit(self, generations: Sequence[Generation], label: str) -> Job:
+        """Queue one request's generations; QueueFull at the limit (or when closing)."""
         with self._cond:
             if self._closed or len(self._waiting) >= self.max_waiting:
-                raise QueueFull(max(1, math.ceil(self._service_s * (len(self._waiting) + 1))))
-            job = Job(self, start, label)
+                ahead = len(self._waiting) + 1
+                raise QueueFull(max(1, math.ceil(self._service_s * ahead / self.batch.max_batch)))
+            if len(generations) > self.batch.max_batch:
+                raise ValueError(f"n={len(generations)} choices do not fit a batch of {self.batch.max_batch}")
+            job = Job(self, generations, label)
             self._waiting.append(job)
             self._cond.notify()
         return job
 
     def close(self, timeout: float = 30.0) -> None:
-        """Refuse new jobs, cancel the waiting ones, stop the running one and wait for the worker."""
+        """Refuse new jobs, cancel the waiting and running ones and wait for the worker."""
         with self._cond:
             self._closed = True
             dropped = list(self._waiting)
             self._waiting.clear()
-            if self._running is not None:
-                self._running._stop.set()
+            self._leaving.extend(set(self._running.values()))
             self._cond.notify_all()
         for job in dropped:
             self._dropped(job)
@@ -154,15 +158,20 @@ class Scheduler:
 
     def _cancel(self, job: Job) -> None:
         with self._cond:
+            if job.cancelled or job.finished is not None:
+                return
+            job.cancelled = True
             queued = job in self._waiting
             if queued:
                 self._waiting.remove(job)
-            job._stop.set()
+            else:
+                self._leaving.append(job)
+                self._cond.notify()
         if queued:
             self._dropped(job)
 
     def _dropped(self, job: Job) -> None:
-        job._stop.set()
+        job.cancelled = True
         job._finish("cancelled")
 
     def _ended(self, job: Job) -> None:
@@ -172,14 +181,65 @@ class Scheduler:
                 self._service_s = 0.8 * self._service_s + 0.2 * (job.finished - job.started)  # type: ignore[operator]
         self.on_finish(job)
 
+    # ---- the worker ---------------------------------------------------------------------
+
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._closed:
+                while not self._waiting and not self._running and not self._leaving and not self._closed:
                     self._cond.wait()
-                if not self._waiting:
-                    return
-                job = self._running = self._waiting.popleft()
-            job._run()
+                leaving, self._leaving = self._leaving, []
+                for job in leaving:
+                    self._remove(job)
+                stop = self._closed and not self._running
+                if not stop:
+                    self._admit()
+            for job in dict.fromkeys(leaving):
+                job._finish("cancelled")
+            if stop:
+                return
+            if self._running:
+                self._step()
+
+    def _admit(self) -> None:
+        """Move waiting jobs into the batch while their choices fit (called holding the lock)."""
+        while self._waiting and len(self._running) + len(self._waiting[0].generations) <= self.batch.max_batch:
+            job = self._waiting.popleft()
+            job.started = time.monotonic()
+            job.outcome = "running"
+            for generation in job.generations:
+                self._running[generation] = job
+                self.batch.add(generation)
+
+    def _remove(self, job: Job) -> None:
+        for generation in job.generations:
+            if self._running.pop(generation, None) is not None:
+                self.batch.cancel(generation)
+
+    def _step(self) -> None:
+        try:
+            events = self.batch.step()
+        except Exception as err:  # the whole batch shares the failed forward pass
+            log.error("a decoding step failed", exc_info=err)
             with self._cond:
-                self._running = None
+                failed = set(self._running.values())
+                for job in failed:
+                    self._remove(job)
+            for job in failed:
+                job._finish("error", "error", err)
+            return
+        ended = []
+        for generation, _ in events:
+            job = self._running.get(generation)
+            if job is None or job.cancelled:
+                continue
+            if piece := generation.transcript.delta():
+                job._push("delta", (job.generations.index(generation), piece))
+            if generation.done:
+                with self._cond:
+                    del self._running[generation]
+                if all(g.done for g in job.generations):
+                    ended.append(job)
+        for job in dict.fromkeys(ended):  # after every choice's last delta of this step
+            job.outputs = [g.output() for g in job.generations]
+            job._finish(job.outputs[0].finish_reason, "end")

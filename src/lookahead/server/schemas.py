@@ -47,7 +47,7 @@ class GenerationRequest(_Strict):
     stop: list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int | None, _neutral(1, why="one choice per request")] = None
+    n: int | None = Field(None, ge=1, le=16)
     presence_penalty: Annotated[float | None, _neutral(0, why="penalties are not applied")] = None
     frequency_penalty: Annotated[float | None, _neutral(0, why="penalties are not applied")] = None
     logit_bias: Annotated[dict[str, float] | None, _neutral({}, why="logit bias is not applied")] = None
@@ -157,25 +157,30 @@ class Reply:
     def _envelope(self, kind: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def full(self, text: str, finish_reason: str, counts: dict[str, int]) -> dict:
-        """The whole answer of a non-streaming request."""
+    def full(self, choices: list[tuple[str, str]], counts: dict[str, int]) -> dict:
+        """The whole answer of a non-streaming request: (text, finish reason) of each choice."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-            body = self._envelope("chat.completion", [{**choice, "logprobs": None, "finish_reason": finish_reason}])
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            body = self._envelope("text_completion", [choice])
-        return {**body, "usage": counts}
+            bodies = [
+                {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": end}
+                for i, (text, end) in enumerate(choices)
+            ]
+            return {**self._envelope("chat.completion", bodies), "usage": counts}
+        bodies = [
+            {"index": i, "text": text, "logprobs": None, "finish_reason": end} for i, (text, end) in enumerate(choices)
+        ]
+        return {**self._envelope("text_completion", bodies), "usage": counts}
 
-    def chunk(self, text: str | None = None, finish_reason: str | None = None, first: bool = False) -> dict:
-        """One stream chunk: a text delta, or (with `finish_reason`) the closing one."""
+    def chunk(
+        self, index: int = 0, text: str | None = None, finish_reason: str | None = None, first: bool = False
+    ) -> dict:
+        """One stream chunk of choice `index`: a text delta, or (with `finish_reason`) its closing one."""
         if not self.chat:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
             return self._envelope("text_completion", [choice])
         delta: dict[str, str] = {"role": "assistant", "content": ""} if first else {}
         if text:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         return self._envelope("chat.completion.chunk", [choice])
 
     def usage_chunk(self, counts: dict[str, int]) -> dict:

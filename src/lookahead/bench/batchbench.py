@@ -1,0 +1,245 @@
+"""Throughput and latency under concurrent streams: batched lookahead against batched plain and transformers.
+
+C streams are a closed loop of C clients: each sends the next prompt as soon as its answer is
+complete, which is a continuous batch of at most C generations (a finished one makes room for
+the next prompt at once). For every C: batched lookahead and batched plain decoding through the
+same engine, and transformers' `model.generate` on padded batches of C prompts (a static batch:
+every row waits for the longest); once, for reference, lookahead one request at a time (what
+the server did before batching). Reported per method and C: total tokens/s with prefill, decode
+tokens/s (steps only), per-request p50/p99 latency and time to first token (from the moment
+its client sends it), tokens per step, and whether every output equals plain greedy decoding.
+
+    python -m lookahead.bench.batchbench --out benchmarks/batch-smollm2-135m
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ..decoding.engine import LookaheadEngine
+from ..models import eos_ids, load_model
+from .datasets import load_prompts
+from .report import environment, markdown_table
+
+SETS = ["humaneval", "gsm8k", "mtbench", "code-edit", "creative"]
+COLUMNS = ["streams", "method", "requests", "tokens_per_s", "decode_tokens_per_s", "p50_latency_s",
+           "p99_latency_s", "p50_ttft_s", "tokens_per_step", "exact_match"]  # fmt: skip
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096 / 1e6
+
+
+def _percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
+
+
+def run_batched(engine: LookaheadEngine, prompts: list[list[int]], streams: int, new_tokens: int, lookahead: bool):
+    """C streams through the engine's continuous batch; per-request timings and the outputs."""
+    batch = engine.batch(streams, use_lookahead=lookahead)
+    generations = [engine.prepare(ids, new_tokens) for ids in prompts]
+    for generation in generations:
+        batch.add(generation)
+    joined: dict[int, float] = {}
+    first: dict[int, float] = {}
+    ended: dict[int, float] = {}
+    decode_s = peak_rss = 0.0
+    clock = time.perf_counter()
+    while batch:
+        tick = time.perf_counter()
+        waiting_before = len(batch.waiting)
+        events = batch.step()
+        tock = time.perf_counter()
+        if len(batch.waiting) == waiting_before:
+            decode_s += tock - tick
+        for generation, _ in events:
+            key = id(generation)
+            joined.setdefault(key, tick)
+            first.setdefault(key, tock)
+            if generation.done:
+                ended[key] = tock
+        peak_rss = max(peak_rss, _rss_mb())
+    wall = time.perf_counter() - clock
+    outputs = [generation.output() for generation in generations]
+    keys = [id(generation) for generation in generations]
+    tokens = sum(len(out.token_ids) for out in outputs)
+    steps = sum(out.stats.steps for out in outputs)
+    return outputs, {
+        "requests": len(prompts),
+        "new_tokens": tokens,
+        "seconds": round(wall, 2),
+        "tokens_per_s": round(tokens / wall, 2),
+        "decode_tokens_per_s": round((tokens - len(prompts)) / decode_s, 2) if decode_s else None,
+        "p50_latency_s": round(statistics.median(ended[k] - joined[k] for k in keys), 2),
+        "p99_latency_s": round(_percentile([ended[k] - joined[k] for k in keys], 0.99), 2),
+        "p50_ttft_s": round(statistics.median(first[k] - joined[k] for k in keys), 3),
+        "tokens_per_step": round(tokens / steps, 2) if steps else None,
+        "draft_tokens_per_step": round(sum(out.stats.draft_tokens for out in outputs) / steps, 2) if steps else None,
+        "peak_rss_mb": round(peak_rss),
+    }
+
+
+def run_one_at_a_time(engine: LookaheadEngine, prompts: list[list[int]], new_tokens: int):
+    """Lookahead, one request after another (the server before batching)."""
+    outputs, latencies, ttfts = [], [], []
+    clock = time.perf_counter()
+    for ids in prompts:
+        start = time.perf_counter()
+        stream = engine.stream(ids, new_tokens)
+        seen_first = None
+        for _ in stream:
+            seen_first = seen_first or time.perf_counter()
+        outputs.append(stream.output)
+        latencies.append(time.perf_counter() - start)
+        ttfts.append((seen_first or time.perf_counter()) - start)
+    wall = time.perf_counter() - clock
+    tokens = sum(len(out.token_ids) for out in outputs)
+    steps = sum(out.stats.steps for out in outputs)
+    decode_s = sum(out.stats.seconds - out.stats.prefill_s for out in outputs)
+    return outputs, {
+        "requests": len(prompts),
+        "new_tokens": tokens,
+        "seconds": round(wall, 2),
+        "tokens_per_s": round(tokens / wall, 2),
+        "decode_tokens_per_s": round((tokens - len(prompts)) / decode_s, 2),
+        "p50_latency_s": round(statistics.median(latencies), 2),
+        "p99_latency_s": round(_percentile(latencies, 0.99), 2),
+        "p50_ttft_s": round(statistics.median(ttfts), 3),
+        "tokens_per_step": round(tokens / steps, 2),
+    }
+
+
+def run_hf_static(model, tokenizer, prompts: list[list[int]], streams: int, new_tokens: int):
+    """transformers' own batching: `model.generate` on left-padded batches of `streams` prompts, one batch at a time."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    eos = eos_ids(model.generation_config, tokenizer)
+    outputs, latencies = [], []
+    clock = time.perf_counter()
+    for start in range(0, len(prompts), streams):
+        group = prompts[start : start + streams]
+        width = max(map(len, group))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        tick = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                                 pad_token_id=pad)  # fmt: skip
+        rows = out[:, width:].tolist()
+        latencies += [time.perf_counter() - tick] * len(group)
+        for row in rows:
+            cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+            outputs.append(row[:cut])
+    wall = time.perf_counter() - clock
+    tokens = sum(map(len, outputs))
+    return outputs, {
+        "requests": len(prompts),
+        "new_tokens": tokens,
+        "seconds": round(wall, 2),
+        "tokens_per_s": round(tokens / wall, 2),
+        "p50_latency_s": round(statistics.median(latencies), 2),
+        "p99_latency_s": round(_percentile(latencies, 0.99), 2),
+    }
+
+
+def hf_continuous_batching_note(model, prompts: list[list[int]]) -> str:
+    """Whether transformers' own continuous batching (`generate_batch`) runs here, in one line."""
+    try:
+        from transformers import GenerationConfig
+
+        config = GenerationConfig(max_new_tokens=4, do_sample=False)
+        model.generate_batch(inputs=prompts[:2], generation_config=config)
+    except Exception as err:
+        return f"does not run on this machine ({type(err).__name__}: {str(err).splitlines()[0][:160]})"
+    return "runs on this machine (not timed here)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=16, help="requests per run, the five sets mixed")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--streams", default="1,2,4,8,16")
+    parser.add_argument("--out", default="bench-out/batch")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    engine = LookaheadEngine(model, tokenizer)
+    per_set = -(-args.prompts // len(SETS))
+    by_set = [load_prompts([name], per_set) for name in SETS]
+    mixed = [group[i] for i in range(per_set) for group in by_set if i < len(group)][: args.prompts]
+    prompts = [engine.chat_ids([{"role": "user", "content": p.text}]) for p in mixed]
+    streams = [int(s) for s in args.streams.split(",")]
+    engine.batch(max(streams))  # probe batching and measure batched costs before any clock runs
+    engine.generate(prompts[0], 4, use_lookahead=False)  # warm-up
+
+    reference, row = run_one_at_a_time(engine, prompts, args.max_new_tokens)
+    want = [out.token_ids for out in reference]
+    rows = [{"streams": 1, "method": "lookahead, one at a time", **row, "exact_match": 1.0}]
+    print(rows[-1], flush=True)
+
+    def exact(outputs: list[list[int]]) -> float:
+        return round(sum(o == w for o, w in zip(outputs, want, strict=True)) / len(want), 3)
+
+    for count in streams:
+        for method in ("lookahead", "plain"):
+            outs, row = run_batched(engine, prompts, count, args.max_new_tokens, method == "lookahead")
+            rows.append({"streams": count, "method": f"batched {method}", **row,
+                         "exact_match": exact([o.token_ids for o in outs])})  # fmt: skip
+            print(rows[-1], flush=True)
+        outs, row = run_hf_static(model, tokenizer, prompts, count, args.max_new_tokens)
+        rows.append({"streams": count, "method": "transformers generate, static batches", **row,
+                     "exact_match": exact(outs)})  # fmt: skip
+        print(rows[-1], flush=True)
+    result = {
+        "command": "python -m lookahead.bench.batchbench " + " ".join(argv or []),
+        "model": args.model or "smollm2-135m",
+        "environment": environment(),
+        "settings": vars(args),
+        "hf_continuous_batching": hf_continuous_batching_note(model, prompts),
+        "results": rows,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "batch.json").write_text(json.dumps(result, indent=1) + "\n")
+    table = markdown_table(rows, COLUMNS)
+    (out / "batch.md").write_text(table + "\n")
+    plot(rows, out / "throughput.png", out / "latency.png", f"{result['model']}, {args.dtype}, {args.device}")
+    print(table)
+    print("transformers generate_batch:", result["hf_continuous_batching"])
+    return 0
+
+
+def plot(rows: list[dict], throughput: Path, latency: Path, title: str) -> None:
+    from .report import _pyplot, _save
+
+    plt = _pyplot()
+    for path, key, label in (
+        (throughput, "tokens_per_s", "total tokens/s"),
+        (latency, "p50_latency_s", "p50 latency per request (s)"),
+    ):
+        fig, ax = plt.subplots(figsize=(6, 3.8))
+        for method in dict.fromkeys(r["method"] for r in rows):
+            points = sorted((r["streams"], r[key]) for r in rows if r["method"] == method and r.get(key) is not None)
+            if len(points) == 1:
+                ax.axhline(points[0][1], linestyle="--", color="grey", label=method)
+            else:
+                ax.plot(*zip(*points, strict=True), marker="o", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel(label)
+        _save(plt, fig, ax, path, title)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

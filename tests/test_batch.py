@@ -1,0 +1,123 @@
+"""Batched decoding on tiny models of every family: each row equals the same request alone and `generate()`."""
+
+import random
+
+import pytest
+from conftest import hf_greedy
+from tiny_models import FAMILIES, tiny_model
+
+from lookahead import LookaheadConfig, LookaheadEngine
+from lookahead.decoding.batch import Batch
+
+tiny = pytest.mark.usefixtures("one_thread")
+
+# what batching falls back to, and why, where a family cannot verify rows of different lengths together
+ONE_AT_A_TIME = {"gemma2": "sliding-window", "gemma3_text": "sliding-window"}
+
+
+def _prompts(count: int, seed: int = 1) -> list[list[int]]:
+    """Token runs of different lengths, repeated so that the trie has something to draft from."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randrange(3, 12))] * 3 for _ in range(count)]
+
+
+def _engine(family: str, tokenizer, **settings) -> LookaheadEngine:
+    config = LookaheadConfig(decoding_length=8, branch_length=4, policy="fixed")
+    return LookaheadEngine(tiny_model(family, **settings), tokenizer, config)
+
+
+@tiny
+@pytest.mark.filterwarnings("ignore:.*tree drafts fall back")  # BLOOM's chain fallback: test_capability checks it
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_batched_rows_equal_each_request_alone(family, tokenizer):
+    engine = _engine(family, tokenizer)
+    prompts = _prompts(5)
+    lengths = [30, 9, 24, 17, 30]  # rows finish at different steps and leave; with max_batch 3 others join
+    alone = [hf_greedy(engine.model, ids, n) for ids, n in zip(prompts, lengths, strict=True)]
+    if family in ONE_AT_A_TIME:
+        with pytest.warns(UserWarning, match=f"one at a time.*{ONE_AT_A_TIME[family]}"):
+            outs = engine.generate_batch(prompts, lengths, max_batch=3)
+    else:
+        outs = engine.generate_batch(prompts, lengths, max_batch=3)
+    assert [out.token_ids for out in outs] == alone
+    assert engine._model_verifier.batched == (family not in ONE_AT_A_TIME)
+    assert sum(out.stats.draft_tokens for out in outs) > 0
+    plain = engine.generate_batch(prompts, lengths, max_batch=4, use_lookahead=False)
+    assert [out.token_ids for out in plain] == alone
+    assert engine.trie.stats()["live_requests"] == 0
+
+
+@tiny
+def test_a_batch_admits_in_arrival_order_and_rows_leave_when_done(tokenizer):
+    engine = _engine("llama", tokenizer)
+    engine._enable_batching()
+    prompts = _prompts(4, seed=3)
+    generations = [engine.prepare(ids, n) for ids, n in zip(prompts, [5, 20, 12, 20], strict=True)]
+    batch = Batch(engine.verifier, engine.drafting, max_batch=2)
+    for generation in generations:
+        batch.add(generation)
+    sizes = []
+    while batch:
+        batch.step()
+        sizes.append((len(batch.running), len(batch.waiting)))
+    assert sizes[0] == (2, 2), "the first two join first"
+    assert max(running for running, _ in sizes) == 2 and (2, 0) in sizes, "a finished row makes room at once"
+    for generation, ids, n in zip(generations, prompts, [5, 20, 12, 20], strict=True):
+        assert generation.output().token_ids == hf_greedy(engine.model, ids, n)
+        assert generation.cache is None and generation.drafter is None
+
+
+@tiny
+def test_a_cancelled_row_leaves_and_the_others_stay_exact(tokenizer):
+    engine = _engine("qwen2", tokenizer)
+    engine._enable_batching()
+    prompts = _prompts(3, seed=5)
+    generations = [engine.prepare(ids, 25) for ids in prompts]
+    batch = Batch(engine.verifier, engine.drafting, max_batch=3)
+    for generation in generations:
+        batch.add(generation)
+    batch.step()
+    batch.step()
+    batch.cancel(generations[1])
+    while batch:
+        batch.step()
+    assert generations[1].cache is None and not generations[1].done
+    for number in (0, 2):
+        assert generations[number].output().token_ids == hf_greedy(engine.model, prompts[number], 25)
+    assert engine.trie.stats()["live_requests"] == 0
+
+
+@tiny
+def test_per_prompt_options_and_their_errors(tokenizer):
+    engine = _engine("llama", tokenizer)
+    prompts = _prompts(3, seed=7)
+    outs = engine.generate_batch(prompts, [4, 6, 8], stop_token_ids=[None, [], [7]], seed=[1, 2, 3], do_sample=True)
+    assert [len(out.token_ids) <= n for out, n in zip(outs, [4, 6, 8], strict=True)] == [True] * 3
+    for out, ids, seed, n in zip(outs, prompts, [1, 2, 3], [4, 6, 8], strict=True):
+        alone = engine.generate(ids, n, do_sample=True, seed=seed, stop_token_ids=[7] if n == 8 else None)
+        assert out.token_ids == alone.token_ids, "a seeded row draws what it draws alone"
+    with pytest.raises(ValueError, match="seed: 2 values for 3 prompts"):
+        engine.generate_batch(prompts, 4, seed=[1, 2])
+    with pytest.raises(ValueError, match="max_batch"):
+        engine.generate_batch(prompts, 4, max_batch=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate_batch(prompts, [4, 0, 4])
+
+
+@pytest.mark.slow
+def test_real_prompts_in_batches_with_rows_joining_and_leaving_equal_generate(default_model):
+    from lookahead.bench.datasets import load_prompts
+
+    model, tokenizer = default_model
+    engine = LookaheadEngine(model, tokenizer)  # the adaptive default, priced by batched steps
+    prompts = load_prompts(["humaneval", "gsm8k", "mtbench", "code-edit"], 6)
+    ids = [engine.chat_ids([{"role": "user", "content": p.text}]) for p in prompts]
+    assert len({len(x) for x in ids}) > 12, "prompts of mixed lengths"
+    lengths = [16 + 8 * (i % 4) for i in range(len(ids))]  # rows end at different steps: others join
+    want = [hf_greedy(model, x, n) for x, n in zip(ids, lengths, strict=True)]
+    for max_batch in (8, 3):
+        outs = engine.generate_batch(ids, lengths, max_batch=max_batch)
+        mismatched = [p.key for p, out, w in zip(prompts, outs, want, strict=True) if out.token_ids != w]
+        assert mismatched == [], f"max_batch={max_batch}"
+    assert engine._model_verifier.batched and engine.policy.cost.rows[-1] > 1
+    assert sum(out.stats.draft_tokens for out in outs) > 0
