@@ -48,3 +48,23 @@ def hf_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
         pad_token_id=model.generation_config.pad_token_id or 0,
     )
     return out[0, len(ids) :].tolist()
+
+
+BENCHMARK_SETS = ["humaneval", "gsm8k", "mtbench", "code-edit"]
+
+
+@pytest.fixture(scope="session")
+def greedy_references(default_model) -> dict[tuple[str, str], tuple[list[int], list[int]]]:
+    """(prompt ids, the model's own greedy 64 new tokens) of the first 10 prompts of each benchmark set.
+
+    Computed once for the run; greedy output for fewer tokens is a prefix of it.
+    """
+    from lookahead.bench.datasets import load_prompts
+
+    model, tokenizer = default_model
+    references = {}
+    for prompt in load_prompts(BENCHMARK_SETS, 10):
+        messages = [{"role": "user", "content": prompt.text}]
+        ids = [int(t) for t in tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)]
+        references[prompt.dataset, prompt.key] = (ids, hf_greedy(model, ids, 64))
+    return references

@@ -68,6 +68,33 @@ def test_a_batch_admits_in_arrival_order_and_rows_leave_when_done(tokenizer):
 
 
 @tiny
+def test_a_long_prompt_is_read_in_chunks_while_the_running_rows_keep_stepping(tokenizer):
+    engine = _engine("llama", tokenizer)
+    engine._enable_batching()
+    short = _prompts(2, seed=9)
+    long = _prompts(1, seed=11)[0] * 5  # over 100 tokens
+    assert len(long) > 100
+    batch = Batch(engine.verifier, engine.drafting, max_batch=3, prefill_chunk=16)
+    running = [engine.prepare(ids, 200) for ids in short]
+    for generation in running:
+        batch.add(generation)
+    batch.step()  # both short prompts read at once: nothing else was running
+    joiner = engine.prepare(long, 20)
+    batch.add(joiner)
+    reads = []
+    while joiner.prefilled < len(long):
+        before = [g.stats.new_tokens for g in running]
+        batch.step()
+        reads.append(joiner.prefilled)
+        assert all(g.stats.new_tokens > n for g, n in zip(running, before, strict=True)), "no stall"
+    assert len(reads) == -(-len(long) // 16) and all(b - a <= 16 for a, b in zip([0, *reads], reads, strict=False))
+    while batch:
+        batch.step()
+    for generation, ids, n in [(running[0], short[0], 200), (running[1], short[1], 200), (joiner, long, 20)]:
+        assert generation.output().token_ids == hf_greedy(engine.model, ids, n)
+
+
+@tiny
 def test_a_cancelled_row_leaves_and_the_others_stay_exact(tokenizer):
     engine = _engine("qwen2", tokenizer)
     engine._enable_batching()
@@ -105,19 +132,17 @@ def test_per_prompt_options_and_their_errors(tokenizer):
 
 
 @pytest.mark.slow
-def test_real_prompts_in_batches_with_rows_joining_and_leaving_equal_generate(default_model):
-    from lookahead.bench.datasets import load_prompts
-
+def test_real_prompts_in_batches_with_rows_joining_and_leaving_equal_generate(default_model, greedy_references):
     model, tokenizer = default_model
     engine = LookaheadEngine(model, tokenizer)  # the adaptive default, priced by batched steps
-    prompts = load_prompts(["humaneval", "gsm8k", "mtbench", "code-edit"], 6)
-    ids = [engine.chat_ids([{"role": "user", "content": p.text}]) for p in prompts]
-    assert len({len(x) for x in ids}) > 12, "prompts of mixed lengths"
+    chosen = [key for number, key in enumerate(greedy_references) if number % 10 < 6]  # 6 prompts of each set
+    ids = [greedy_references[key][0] for key in chosen]
+    assert len(ids) == 24 and len({len(x) for x in ids}) > 12, "prompts of mixed lengths"
     lengths = [16 + 8 * (i % 4) for i in range(len(ids))]  # rows end at different steps: others join
-    want = [hf_greedy(model, x, n) for x, n in zip(ids, lengths, strict=True)]
+    want = [greedy_references[key][1][:n] for key, n in zip(chosen, lengths, strict=True)]  # greedy: prefixes
     for max_batch in (8, 3):
         outs = engine.generate_batch(ids, lengths, max_batch=max_batch)
-        mismatched = [p.key for p, out, w in zip(prompts, outs, want, strict=True) if out.token_ids != w]
+        mismatched = [key for key, out, w in zip(chosen, outs, want, strict=True) if out.token_ids != w]
         assert mismatched == [], f"max_batch={max_batch}"
     assert engine._model_verifier.batched and engine.policy.cost.rows[-1] > 1
     assert sum(out.stats.draft_tokens for out in outs) > 0

@@ -3,11 +3,12 @@
 C streams are a closed loop of C clients: each sends the next prompt as soon as its answer is
 complete, which is a continuous batch of at most C generations (a finished one makes room for
 the next prompt at once). For every C: batched lookahead and batched plain decoding through the
-same engine, and transformers' `model.generate` on padded batches of C prompts (a static batch:
-every row waits for the longest); once, for reference, lookahead one request at a time (what
-the server did before batching). Reported per method and C: total tokens/s with prefill, decode
-tokens/s (steps only), per-request p50/p99 latency and time to first token (from the moment
-its client sends it), tokens per step, and whether every output equals plain greedy decoding.
+same model (each run with an empty trie), and transformers' `model.generate` on padded batches
+of C prompts (a static batch: every row waits for the longest); once, for reference,
+lookahead one request at a time (what the server did before batching). Reported per method
+and C: total tokens/s with prefill, decode tokens/s (steps only), per-request p50/p99
+latency and time to first token (from the moment its client sends it), tokens per step, and
+whether every output equals plain greedy decoding.
 
     python -m lookahead.bench.batchbench --out benchmarks/batch-smollm2-135m
 """
@@ -51,15 +52,12 @@ def run_batched(engine: LookaheadEngine, prompts: list[list[int]], streams: int,
     joined: dict[int, float] = {}
     first: dict[int, float] = {}
     ended: dict[int, float] = {}
-    decode_s = peak_rss = 0.0
+    peak_rss = 0.0
     clock = time.perf_counter()
     while batch:
         tick = time.perf_counter()
-        waiting_before = len(batch.waiting)
         events = batch.step()
         tock = time.perf_counter()
-        if len(batch.waiting) == waiting_before:
-            decode_s += tock - tick
         for generation, _ in events:
             key = id(generation)
             joined.setdefault(key, tick)
@@ -72,12 +70,13 @@ def run_batched(engine: LookaheadEngine, prompts: list[list[int]], streams: int,
     keys = [id(generation) for generation in generations]
     tokens = sum(len(out.token_ids) for out in outputs)
     steps = sum(out.stats.steps for out in outputs)
+    decode_s = wall - sum(out.stats.prefill_s for out in outputs)  # prefills run one after another
     return outputs, {
         "requests": len(prompts),
         "new_tokens": tokens,
         "seconds": round(wall, 2),
         "tokens_per_s": round(tokens / wall, 2),
-        "decode_tokens_per_s": round((tokens - len(prompts)) / decode_s, 2) if decode_s else None,
+        "decode_tokens_per_s": round((tokens - len(prompts)) / decode_s, 2),
         "p50_latency_s": round(statistics.median(ended[k] - joined[k] for k in keys), 2),
         "p99_latency_s": round(_percentile([ended[k] - joined[k] for k in keys], 0.99), 2),
         "p50_ttft_s": round(statistics.median(first[k] - joined[k] for k in keys), 3),
@@ -174,13 +173,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
-    engine = LookaheadEngine(model, tokenizer)
+
+    def fresh() -> LookaheadEngine:
+        """An engine with an empty trie: no run drafts from answers an earlier run learned."""
+        engine = LookaheadEngine(model, tokenizer)
+        engine.batch(max(streams))  # probe batching and price batched steps (cached) before any clock runs
+        return engine
+
+    streams = [int(s) for s in args.streams.split(",")]
+    engine = fresh()
     per_set = -(-args.prompts // len(SETS))
     by_set = [load_prompts([name], per_set) for name in SETS]
     mixed = [group[i] for i in range(per_set) for group in by_set if i < len(group)][: args.prompts]
     prompts = [engine.chat_ids([{"role": "user", "content": p.text}]) for p in mixed]
-    streams = [int(s) for s in args.streams.split(",")]
-    engine.batch(max(streams))  # probe batching and measure batched costs before any clock runs
     engine.generate(prompts[0], 4, use_lookahead=False)  # warm-up
 
     reference, row = run_one_at_a_time(engine, prompts, args.max_new_tokens)
@@ -193,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for count in streams:
         for method in ("lookahead", "plain"):
-            outs, row = run_batched(engine, prompts, count, args.max_new_tokens, method == "lookahead")
+            outs, row = run_batched(fresh(), prompts, count, args.max_new_tokens, method == "lookahead")
             rows.append({"streams": count, "method": f"batched {method}", **row,
                          "exact_match": exact([o.token_ids for o in outs])})  # fmt: skip
             print(rows[-1], flush=True)

@@ -78,8 +78,10 @@ class RecordingVerifier:
         self.output = output
         self.branching = branching
 
-    def prefill(self, generations: Sequence[Generation]) -> list[int]:
-        return [self.output[0] for _ in generations]
+    def prefill(self, generations: Sequence[Generation], counts: Sequence[int]) -> list[int | None]:
+        for generation, count in zip(generations, counts, strict=True):
+            generation.prefilled += count
+        return [self.output[0] if g.prefilled == len(g.prompt) else None for g in generations]
 
     def verify(self, generations: Sequence[Generation], trees: Sequence[DraftTree]) -> tuple[list[Verdict], float]:
         verdicts = []

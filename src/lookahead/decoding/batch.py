@@ -18,69 +18,95 @@ from .step import Verifier, start, step
 
 
 class Batch:
-    """Generations decoded together through one verifier; single-threaded (one caller steps it)."""
+    """Generations decoded together through one verifier; single-threaded (one caller steps it).
 
-    def __init__(self, verifier: Verifier, drafting: Drafting | None, max_batch: int = 1) -> None:
+    With `prefill_chunk`, a joining prompt is read at most that many tokens a round (all
+    joiners together) while other generations are running, so a long prompt delays their
+    steps by one chunk's forward pass at a time instead of by its whole prefill.
+    """
+
+    def __init__(
+        self, verifier: Verifier, drafting: Drafting | None, max_batch: int = 1, prefill_chunk: int | None = None
+    ) -> None:
         self.verifier = verifier
         self.drafting = drafting
         self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
         self.waiting: deque[Generation] = deque()
+        self.prefilling: list[Generation] = []
         self.running: list[Generation] = []
         self.last_width = 0
-        """Tokens per row of the last step's forward pass: 1 + the most draft nodes a row sent (0: a prefill)."""
+        """Tokens per row of the last step's forward pass: 1 + the most draft nodes a row sent (0: no step)."""
 
     def __len__(self) -> int:
-        """Generations not finished yet, waiting or running."""
-        return len(self.waiting) + len(self.running)
+        """Generations not finished yet: waiting, reading their prompt, or running."""
+        return len(self.waiting) + len(self.prefilling) + len(self.running)
 
     def add(self, generation: Generation) -> None:
         """Queue `generation`; it joins at a step boundary, in arrival order, when there is room."""
         self.waiting.append(generation)
 
     def cancel(self, generation: Generation) -> None:
-        """End `generation` now, waiting or running; its row leaves the batch at the next step."""
+        """End `generation` now, wherever it is; its row leaves the batch at the next step."""
         if generation in self.waiting:
             self.waiting.remove(generation)
-        elif generation in self.running:
-            self.running.remove(generation)
-            self._leave(generation)
+            return
+        for group in (self.prefilling, self.running):
+            if generation in group:
+                group.remove(generation)
+                self._leave(generation)
 
     def step(self) -> list[tuple[Generation, list[int]]]:
-        """One round: prefill the generations that join now, or else step every running one; each one's new tokens.
+        """One round: read joining prompts (a chunk of them while others run), step the running; new tokens of each.
 
-        A joining generation's first token comes out of the round that prefilled it, so its
-        time to first token is its prefill; the running generations step in the next round.
+        A generation whose prompt is now read gets its first token in this round and steps
+        from the next one.
         """
-        joining = []
-        while self.waiting and len(self.running) + len(joining) < self.max_batch:
+        while self.waiting and len(self.prefilling) + len(self.running) < self.max_batch:
             generation = self.waiting.popleft()
             generation.drafter = self.drafting.open(generation.prompt) if self.drafting is not None else None
-            joining.append(generation)
-        if joining:
-            events = list(zip(joining, start(joining, self.verifier), strict=True))
-            self.running += joining
-            self.last_width = 0
-        else:
+            self.prefilling.append(generation)
+        events: list[tuple[Generation, list[int]]] = []
+        ready = []
+        if self.prefilling:
+            firsts = start(self.prefilling, self.verifier, self._allot())
+            ready = [generation for generation, kept in zip(self.prefilling, firsts, strict=True) if kept is not None]
+            events += [(g, kept) for g, kept in zip(self.prefilling, firsts, strict=True) if kept is not None]
+            self.prefilling = [generation for generation in self.prefilling if generation not in ready]
+        self.last_width = 0
+        if self.running:
             sent_before = [generation.stats.draft_tokens for generation in self.running]
             groups = [self.running] if self.verifier.batched else [[generation] for generation in self.running]
-            events = [
-                event
-                for group in groups
-                if group
-                for event in zip(group, step(group, self.verifier, self.drafting), strict=True)
-            ]
-            sent = [g.stats.draft_tokens - before for (g, _), before in zip(events, sent_before, strict=True)]
-            self.last_width = 1 + max(sent, default=0)
+            stepped = [event for group in groups for event in zip(group, self._step(group), strict=True)]
+            sent = [g.stats.draft_tokens - before for (g, _), before in zip(stepped, sent_before, strict=True)]
+            self.last_width = 1 + max(sent)
+            events += stepped
+        self.running += ready
         for generation, _ in events:
-            if generation.done:
+            if generation.done and generation in self.running:
                 self.running.remove(generation)
                 self._leave(generation)
         return events
 
+    def _step(self, group: list[Generation]) -> list[list[int]]:
+        return step(group, self.verifier, self.drafting)
+
+    def _allot(self) -> list[int]:
+        """Prompt tokens each joining generation reads this round: all of them when nothing else runs."""
+        remaining = [len(generation.prompt) - generation.prefilled for generation in self.prefilling]
+        if self.prefill_chunk is None or not self.running:
+            return remaining
+        budget, counts = self.prefill_chunk, []
+        for left in remaining:
+            counts.append(min(left, budget))
+            budget -= counts[-1]
+        return counts
+
     def close(self) -> None:
         """End every generation still here (what a caller that stops early must call)."""
-        for generation in self.running:
+        for generation in [*self.prefilling, *self.running]:
             self._leave(generation)
+        self.prefilling.clear()
         self.running.clear()
         self.waiting.clear()
 

@@ -32,6 +32,9 @@ from .step import Verifier
 from .transcript import Transcript, stop_strings
 from .verifier import ModelVerifier
 
+PREFILL_CHUNK = 256
+"""Prompt tokens read per round while other generations run (a 256-token read is a few steps' time on a CPU)."""
+
 # Generation-config settings that change which token greedy `generate()` picks; the engine applies
 # only the options passed to it, so it warns instead of silently differing from `generate()`.
 _GREEDY_CHANGING = ("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "min_length", "bad_words_ids",
@@ -228,7 +231,8 @@ class LookaheadEngine:
         _check_max_batch(max_batch)
         if max_batch > 1:
             self._enable_batching()
-        return Batch(self.verifier, self._drafting(use_lookahead), max_batch)
+        chunk = PREFILL_CHUNK if max_batch > 1 else None
+        return Batch(self.verifier, self._drafting(use_lookahead), max_batch, prefill_chunk=chunk)
 
     def _drafting(self, use_lookahead: bool) -> TrieDrafting | None:
         return self.drafting if use_lookahead and self.draft_mode != "off" else None

@@ -87,6 +87,8 @@ class Generation:
         """Set while decoding with drafts; None for plain decoding."""
         self.cache: Any = None
         """The verifier's KV cache of this sequence."""
+        self.prefilled = 0
+        """Prompt tokens read into the cache so far (a long prompt is read in chunks, between steps)."""
         self.stats = GenerationStats()
 
     @property

@@ -35,8 +35,8 @@ class Verifier(Protocol):
     batched: bool
     """True if the generations of one `verify` call share one forward pass (else one pass each)."""
 
-    def prefill(self, generations: Sequence[Generation]) -> list[int]:
-        """Read each prompt; the first new token of each generation."""
+    def prefill(self, generations: Sequence[Generation], counts: Sequence[int]) -> list[int | None]:
+        """Read `counts[i]` more prompt tokens of generation i: its first token once its prompt is read, else None."""
         ...
 
     def verify(self, generations: Sequence[Generation], trees: Sequence[DraftTree]) -> tuple[list[Verdict], float]:
@@ -48,10 +48,14 @@ class Verifier(Protocol):
         ...
 
 
-def start(generations: Sequence[Generation], verifier: Verifier) -> list[list[int]]:
-    """Prefill: each generation's first token, kept."""
-    firsts = verifier.prefill(generations)
-    return [generation.take([token]) for generation, token in zip(generations, firsts, strict=True)]
+def start(
+    generations: Sequence[Generation], verifier: Verifier, counts: Sequence[int] | None = None
+) -> list[list[int] | None]:
+    """Prefill `counts[i]` more prompt tokens of each (default: the rest); the first token of each one now read."""
+    if counts is None:
+        counts = [len(generation.prompt) - generation.prefilled for generation in generations]
+    firsts = verifier.prefill(generations, counts)
+    return [None if token is None else g.take([token]) for g, token in zip(generations, firsts, strict=True)]
 
 
 def step(generations: Sequence[Generation], verifier: Verifier, drafting: Drafting | None = None) -> list[list[int]]:
@@ -105,8 +109,8 @@ class Priced:
     def batched(self) -> bool:
         return self.verifier.batched
 
-    def prefill(self, generations: Sequence[Generation]) -> list[int]:
-        return self.verifier.prefill(generations)
+    def prefill(self, generations: Sequence[Generation], counts: Sequence[int]) -> list[int | None]:
+        return self.verifier.prefill(generations, counts)
 
     def verify(self, generations: Sequence[Generation], trees: Sequence[DraftTree]) -> tuple[list[Verdict], float]:
         verdicts, _ = self.verifier.verify(generations, trees)

@@ -72,15 +72,20 @@ class ModelVerifier:
             return False
         return self._window is None or len(generation.tokens) + self.max_draft < self._window
 
-    def prefill(self, generations: Sequence[Generation]) -> list[int]:
-        firsts = []
+    def prefill(self, generations: Sequence[Generation], counts: Sequence[int]) -> list[int | None]:
+        firsts: list[int | None] = []
         with torch.inference_mode():
-            for generation in generations:
+            for generation, count in zip(generations, counts, strict=True):
+                if count == 0:
+                    firsts.append(None)
+                    continue
                 clock = time.perf_counter()
-                cache = self.forward.new_cache()
-                logits = self.forward(cache, generation.prompt, 0, last_only=True)[-1]
-                generation.cache = BatchCache(cache, [len(generation.prompt)], [generation])
-                firsts.append(_chooser(generation).choose(logits, generation.prompt))
+                cache = generation.cache.cache if generation.cache is not None else self.forward.new_cache()
+                read, prompt = generation.prefilled, generation.prompt
+                logits = self.forward(cache, prompt[read : read + count], read, last_only=True)[-1]
+                generation.prefilled = read = min(read + count, len(prompt))
+                generation.cache = BatchCache(cache, [read], [generation])
+                firsts.append(_chooser(generation).choose(logits, prompt) if read == len(prompt) else None)
                 generation.stats.prefill_s += time.perf_counter() - clock
         return firsts
 
