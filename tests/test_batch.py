@@ -7,7 +7,6 @@ from conftest import hf_greedy
 from tiny_models import FAMILIES, tiny_model
 
 from lookahead import LookaheadConfig, LookaheadEngine
-from lookahead.decoding.batch import Batch
 
 tiny = pytest.mark.usefixtures("one_thread")
 
@@ -40,7 +39,7 @@ def test_batched_rows_equal_each_request_alone(family, tokenizer):
     else:
         outs = engine.generate_batch(prompts, lengths, max_batch=3)
     assert [out.token_ids for out in outs] == alone
-    assert engine._model_verifier.batched == (family not in ONE_AT_A_TIME)
+    assert engine.verifier.batched == (family not in ONE_AT_A_TIME)
     assert sum(out.stats.draft_tokens for out in outs) > 0
     plain = engine.generate_batch(prompts, lengths, max_batch=4, use_lookahead=False)
     assert [out.token_ids for out in plain] == alone
@@ -50,10 +49,9 @@ def test_batched_rows_equal_each_request_alone(family, tokenizer):
 @tiny
 def test_a_batch_admits_in_arrival_order_and_rows_leave_when_done(tokenizer):
     engine = _engine("llama", tokenizer)
-    engine._enable_batching()
     prompts = _prompts(4, seed=3)
     generations = [engine.prepare(ids, n) for ids, n in zip(prompts, [5, 20, 12, 20], strict=True)]
-    batch = Batch(engine.verifier, engine.drafting, max_batch=2)
+    batch = engine.batch(2)
     for generation in generations:
         batch.add(generation)
     sizes = []
@@ -70,11 +68,11 @@ def test_a_batch_admits_in_arrival_order_and_rows_leave_when_done(tokenizer):
 @tiny
 def test_a_long_prompt_is_read_in_chunks_while_the_running_rows_keep_stepping(tokenizer):
     engine = _engine("llama", tokenizer)
-    engine._enable_batching()
     short = _prompts(2, seed=9)
     long = _prompts(1, seed=11)[0] * 5  # over 100 tokens
     assert len(long) > 100
-    batch = Batch(engine.verifier, engine.drafting, max_batch=3, prefill_chunk=16)
+    batch = engine.batch(3)
+    batch.prefill_chunk = 16  # a tiny model's chunk: the prompt takes several rounds
     running = [engine.prepare(ids, 200) for ids in short]
     for generation in running:
         batch.add(generation)
@@ -97,10 +95,9 @@ def test_a_long_prompt_is_read_in_chunks_while_the_running_rows_keep_stepping(to
 @tiny
 def test_a_cancelled_row_leaves_and_the_others_stay_exact(tokenizer):
     engine = _engine("qwen2", tokenizer)
-    engine._enable_batching()
     prompts = _prompts(3, seed=5)
     generations = [engine.prepare(ids, 25) for ids in prompts]
-    batch = Batch(engine.verifier, engine.drafting, max_batch=3)
+    batch = engine.batch(3)
     for generation in generations:
         batch.add(generation)
     batch.step()
@@ -144,5 +141,5 @@ def test_real_prompts_in_batches_with_rows_joining_and_leaving_equal_generate(de
         outs = engine.generate_batch(ids, lengths, max_batch=max_batch)
         mismatched = [key for key, out, w in zip(chosen, outs, want, strict=True) if out.token_ids != w]
         assert mismatched == [], f"max_batch={max_batch}"
-    assert engine._model_verifier.batched and engine.policy.cost.rows[-1] > 1
+    assert engine.verifier.batched and engine.policy.cost.rows[-1] > 1
     assert sum(out.stats.draft_tokens for out in outs) > 0
