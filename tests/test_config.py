@@ -2,7 +2,8 @@
 
 import pytest
 
-from lookahead.config import LookaheadConfig
+from lookahead.config import MAX_NGRAM_LENGTH, LookaheadConfig
+from lookahead.drafting.trie import TokenTrie
 
 
 def test_config_rejects_bad_settings():
@@ -10,6 +11,18 @@ def test_config_rejects_bad_settings():
                 {"min_score": 1.5}):  # fmt: skip
         with pytest.raises(ValueError, match="LookaheadConfig"):
             LookaheadConfig(**bad)
+
+
+def test_ngram_length_is_bounded_for_configs_and_tries():
+    assert LookaheadConfig(match_length=4, branch_length=252).ngram_length == MAX_NGRAM_LENGTH
+    with pytest.raises(ValueError, match=r"LookaheadConfig.match_length \+ branch_length .* from 2 to 256, got 257"):
+        LookaheadConfig(match_length=4, branch_length=253)
+    for bad in (1, 257, 1_000_000, 12.0, 2.5, True, "12"):
+        with pytest.raises(ValueError, match="ngram_length must be an integer from 2 to 256"):
+            TokenTrie(ngram_length=bad)
+    for name, bad in (("max_nodes", 10.0), ("max_nodes", True), ("half_life", float("inf")), ("half_life", True)):
+        with pytest.raises(ValueError, match=f"{name} must be positive or None"):
+            TokenTrie(**{name: bad})
 
 
 def test_parse_reads_each_setting_as_its_type():

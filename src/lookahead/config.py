@@ -11,6 +11,9 @@ DEFAULT_TRIE_MAX_NODES = 1_000_000
 """About 200 MB: `python -m lookahead.bench.triebench` measures under 200 bytes a node."""
 DEFAULT_TRIE_HALF_LIFE = 200_000.0
 """Tokens after which an old sighting of an n-gram counts half as much as a new one (budget / 5)."""
+MAX_NGRAM_LENGTH = 256
+"""Longest n-gram a trie may store. A prompt of n tokens adds up to n times this many nodes,
+so a config or a trie file must not ask for a million; the default is 36 (match 4 + branch 32)."""
 
 
 @dataclass(frozen=True)
@@ -45,12 +48,10 @@ class LookaheadConfig:
                 raise ValueError(f"LookaheadConfig.{name} must be a positive integer, got {value!r}")
         if self.policy not in ("adaptive", "fixed"):
             raise ValueError(f"LookaheadConfig.policy must be 'adaptive' or 'fixed', got {self.policy!r}")
-        if self.trie_max_nodes is not None and (not isinstance(self.trie_max_nodes, int) or self.trie_max_nodes < 1):
-            raise ValueError(f"LookaheadConfig.trie_max_nodes must be positive or None, got {self.trie_max_nodes!r}")
-        half_life = self.trie_half_life
-        if half_life is not None and not (_is_number(half_life) and half_life > 0):
-            raise ValueError(f"LookaheadConfig.trie_half_life must be positive or None, got {half_life!r}")
-        if not (_is_number(self.min_score) and 0.0 <= self.min_score < 1.0):
+        check_ngram_length(self.ngram_length, "LookaheadConfig.match_length + branch_length (the n-gram length)")
+        check_max_nodes(self.trie_max_nodes, "LookaheadConfig.trie_max_nodes")
+        check_half_life(self.trie_half_life, "LookaheadConfig.trie_half_life")
+        if not (is_finite_number(self.min_score) and 0.0 <= self.min_score < 1.0):
             raise ValueError(f"LookaheadConfig.min_score must be in [0, 1), got {self.min_score!r}")
 
     @classmethod
@@ -77,8 +78,32 @@ class LookaheadConfig:
         return self.match_length + self.branch_length
 
 
-def _is_number(value: object) -> bool:
+def is_finite_number(value: object) -> bool:
+    """An int or float (not a bool, which is an int in Python) that is neither nan nor infinite."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def is_int(value: object) -> bool:
+    """An int that is not a bool: settings read from JSON must not take `true` for 1."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_ngram_length(value: object, name: str = "ngram_length") -> None:
+    """ValueError unless `value` is an int in [2, MAX_NGRAM_LENGTH]; shared by configs, tries and trie files."""
+    if not (is_int(value) and 2 <= value <= MAX_NGRAM_LENGTH):
+        raise ValueError(f"{name} must be an integer from 2 to {MAX_NGRAM_LENGTH}, got {value!r}")
+
+
+def check_max_nodes(value: object, name: str = "max_nodes") -> None:
+    """ValueError unless `value` is a positive int or None (no budget)."""
+    if value is not None and not (is_int(value) and value >= 1):
+        raise ValueError(f"{name} must be positive or None, got {value!r}")
+
+
+def check_half_life(value: object, name: str = "half_life") -> None:
+    """ValueError unless `value` is a finite positive number or None (plain counts)."""
+    if value is not None and not (is_finite_number(value) and value > 0):
+        raise ValueError(f"{name} must be positive or None, got {value!r}")
 
 
 def _convert(key: str, text: str, kind: object) -> object:

@@ -17,12 +17,20 @@ import heapq
 import math
 import threading
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from numbers import Integral
 from os import PathLike
 from typing import Any
 
 import numpy as np
 
-from ..config import DEFAULT_TRIE_HALF_LIFE, DEFAULT_TRIE_MAX_NODES, LookaheadConfig
+from ..config import (
+    DEFAULT_TRIE_HALF_LIFE,
+    DEFAULT_TRIE_MAX_NODES,
+    LookaheadConfig,
+    check_half_life,
+    check_max_nodes,
+    check_ngram_length,
+)
 from .ngrams import CORPUS, MAX_TOKEN, OUTPUT, PROMPT, NgramStore
 from .tree import DraftTree
 from .triefile import TrieSettings, read_trie, tokenizer_fingerprint, write_trie
@@ -75,6 +83,14 @@ def _source_flags(nodes: list[tuple[NgramStore, int]]) -> int:
     return flags
 
 
+def _boundary_set(boundary_ids: Iterable[int]) -> frozenset[int]:
+    """The boundary ids as a set; ValueError for anything but token ids (they come from files too)."""
+    ids = list(boundary_ids) if isinstance(boundary_ids, Iterable) and not isinstance(boundary_ids, str) else None
+    if ids is None or not all(isinstance(t, Integral) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN for t in ids):
+        raise ValueError(f"boundary_ids must be token ids in [0, {MAX_TOKEN}], got {boundary_ids!r:.80}")
+    return frozenset(int(t) for t in ids)
+
+
 def _check_tokens(tokens: Sequence[int]) -> None:
     if tokens and (min(tokens) < 0 or max(tokens) > MAX_TOKEN):
         raise ValueError(f"token ids must be in [0, {MAX_TOKEN}]")
@@ -101,14 +117,11 @@ class TokenTrie:
         max_nodes: int | None = DEFAULT_TRIE_MAX_NODES,
         half_life: float | None = DEFAULT_TRIE_HALF_LIFE,
     ) -> None:
-        if ngram_length < 2:
-            raise ValueError(f"ngram_length must be at least 2, got {ngram_length}")
-        if max_nodes is not None and max_nodes < 1:
-            raise ValueError(f"max_nodes must be positive or None, got {max_nodes}")
-        if half_life is not None and not half_life > 0:
-            raise ValueError(f"half_life must be positive or None, got {half_life}")
+        check_ngram_length(ngram_length)
+        check_max_nodes(max_nodes)
+        check_half_life(half_life)
         self.ngram_length = ngram_length
-        self.boundary_ids = frozenset(boundary_ids)
+        self.boundary_ids = _boundary_set(boundary_ids)
         self.max_nodes = max_nodes
         self.half_life = half_life
         self.tokenizer_id: str | None = None
