@@ -1,6 +1,8 @@
 """`lookahead trie build | inspect`, and an engine started warm from a built file."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -62,3 +64,12 @@ def test_engine_starts_warm_from_a_built_file(offline_model, tmp_path):
     engine = LookaheadEngine(model, tokenizer, LookaheadConfig(policy="fixed"), trie=TokenTrie.load(tmp_path / "t"))
     ids = tokenizer.encode("def add(a, b):", add_special_tokens=False)
     assert tokenizer.decode(engine.trie.retrieve(ids, 8, 8).tokens).startswith("\n    return a + b")
+
+
+def test_inspect_of_a_directory_exits_2_without_a_traceback(tmp_path):
+    command = [sys.executable, "-m", "lookahead.cli", "trie", "inspect", str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        f"lookahead: error: {tmp_path}: not a regular file (a directory, a pipe or a device), so not a trie file"
+    ]

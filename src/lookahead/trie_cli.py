@@ -80,17 +80,18 @@ def build_trie(trie, tokenizer, paths: list[Path], progress=None) -> int:
 def build(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
-    from . import TokenTrie, load_model
-    from .models import eos_ids
+    from .drafting.trie import TokenTrie
 
     paths = [Path(p) for p in args.inputs]
     for path in paths:
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such file")
+    trie = TokenTrie.load(args.into, max_nodes=args.max_nodes) if args.into else None  # before torch and the model
+    from . import load_model
+    from .models import eos_ids
+
     model, tokenizer = load_model(args.model)
-    if args.into:
-        trie = TokenTrie.load(args.into, max_nodes=args.max_nodes)
-    else:
+    if trie is None:
         config = replace(LookaheadConfig(), trie_max_nodes=args.max_nodes)
         trie = TokenTrie.from_config(config, eos_ids(model.generation_config, tokenizer))
     trie.bind_tokenizer(tokenizer)
@@ -105,10 +106,10 @@ def build(args: argparse.Namespace) -> int:
 
 
 def inspect(args: argparse.Namespace) -> int:
-    from . import TokenTrie, load_model
+    from .drafting.trie import TokenTrie
     from .drafting.triefile import tokenizer_fingerprint
 
-    trie = TokenTrie.load(args.file)
+    trie = TokenTrie.load(args.file)  # a bad file is refused before torch and the model load
     stats = trie.stats()
     size = Path(args.file).stat().st_size
     print(f"file            {args.file} ({size / 1e6:.1f} MB)")
@@ -117,6 +118,8 @@ def inspect(args: argparse.Namespace) -> int:
     print(f"tokens learned  {stats['tokens_learned']}")
     print("sources         " + ", ".join(f"{name} {count}" for name, count in trie.sources().items()))
     print(f"settings        n-gram length {trie.ngram_length}, half-life {trie.half_life} tokens")
+    from . import load_model
+
     _, tokenizer = load_model(args.model)
     readable = trie.tokenizer_id in (None, tokenizer_fingerprint(tokenizer))
     heading = "decoded" if readable else "token ids: the file was built with another tokenizer"

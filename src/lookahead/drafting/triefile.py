@@ -6,6 +6,11 @@ header, nothing that can run code) holding the node columns, with the trie's set
 its metadata. The prefix lets a reader tell a wrong file, a newer version, a truncated
 copy and a corrupted one apart, each with its own message, before parsing anything.
 Writes go to a temporary file in the same folder, renamed into place when complete.
+
+A file is data from anywhere, so reading it is bounded whatever it holds: only a regular file
+is opened, its declared length is checked against its size and MAX_PAYLOAD_BYTES before the
+payload is read, and every structure is checked before it is used. Every problem is a
+ValueError that names the file.
 """
 
 from __future__ import annotations
@@ -13,12 +18,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import struct
 import tempfile
 from dataclasses import asdict, dataclass, fields
 from os import PathLike
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -26,6 +32,11 @@ MAGIC = b"LKATRIE\x00"
 VERSION = 1
 _PREFIX = struct.Struct("<8sIQ32s")
 _COLUMNS = {"token": np.int32, "parent": np.int32, "count": np.int64, "weight": np.float64, "source": np.uint8}
+MAX_PAYLOAD_BYTES = 1 << 30
+"""Largest payload read: 40 million nodes of 25 bytes, forty times the default budget (and about
+8 GB once loaded). A larger file is refused from its size, before any of it is read."""
+_MAX_HEADER_BYTES = 1 << 20
+"""Largest safetensors header read: a trie's is a few hundred bytes (five columns and its settings)."""
 
 
 @dataclass(frozen=True)
@@ -69,37 +80,114 @@ def write_trie(path: str | PathLike[str], columns: dict[str, np.ndarray], settin
 
 
 def read_trie(path: str | PathLike[str]) -> tuple[dict[str, np.ndarray], TrieSettings]:
-    """Columns and settings of a trie file; ValueError, saying what is wrong, for any unsound file."""
-    data = Path(path).read_bytes()
-    if len(data) < _PREFIX.size or not data.startswith(MAGIC):
-        raise ValueError(f"{path}: not a lookahead trie file (bad magic)")
-    _, version, length, digest = _PREFIX.unpack_from(data)
-    if version != VERSION:
-        raise ValueError(f"{path}: trie file version {version}; this version of lookahead reads version {VERSION}")
-    payload = data[_PREFIX.size :]
-    if len(payload) != length:
-        raise ValueError(f"{path}: truncated or padded trie file ({len(payload)} payload bytes, expected {length})")
-    if hashlib.sha256(payload).digest() != digest:
-        raise ValueError(f"{path}: corrupted trie file (checksum mismatch)")
+    """Columns and settings of a trie file; ValueError, naming the file and what is wrong, for any unsound one.
+
+    Checked here: the container, the columns' names, types and shapes, and that the settings
+    record has its fields; the settings' values are checked where they are used (TokenTrie).
+    """
+    try:
+        with _open_regular_file(path) as file:
+            payload = _read_payload(file, path)
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read the trie file ({err.strerror or err})") from err
     try:
         return _parse(payload)
-    except (ValueError, KeyError, TypeError) as err:
+    except ValueError as err:
         raise ValueError(f"{path}: malformed trie file ({err})") from err
 
 
+def _open_regular_file(path: str | PathLike[str]) -> BinaryIO:
+    """`path` opened for reading; ValueError if it is not a regular file (after following links).
+
+    A directory, a FIFO or a device is refused from its stat, before it is opened (opening a
+    FIFO blocks until a writer comes, and a device may never end); the open is non-blocking
+    and the opened file checked again, in case the path changed in between.
+    """
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise ValueError(f"{path}: not a regular file (a directory, a pipe or a device), so not a trie file")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    file = os.fdopen(fd, "rb")  # buffered: read(n) returns n bytes unless the file ends
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        file.close()
+        raise ValueError(f"{path}: not a regular file (it changed while being opened)")
+    return file
+
+
+def _read_payload(file: BinaryIO, path: str | PathLike[str]) -> bytes:
+    """The payload after the prefix, read only once its declared length matches the file's size."""
+    prefix = file.read(_PREFIX.size)
+    if len(prefix) < _PREFIX.size or not prefix.startswith(MAGIC):
+        raise ValueError(f"{path}: not a lookahead trie file (bad magic)")
+    _, version, length, digest = _PREFIX.unpack(prefix)
+    if version != VERSION:
+        raise ValueError(f"{path}: trie file version {version}; this version of lookahead reads version {VERSION}")
+    size = os.fstat(file.fileno()).st_size - _PREFIX.size
+    if size != length:
+        raise ValueError(f"{path}: truncated or padded trie file ({size} payload bytes, expected {length})")
+    if length > MAX_PAYLOAD_BYTES:
+        raise ValueError(f"{path}: trie file payload of {length} bytes is over the limit of {MAX_PAYLOAD_BYTES}")
+    payload = file.read(length)
+    if len(payload) != length:
+        raise ValueError(f"{path}: truncated trie file (it shrank while being read)")
+    if hashlib.sha256(payload).digest() != digest:
+        raise ValueError(f"{path}: corrupted trie file (checksum mismatch)")
+    return payload
+
+
 def _parse(payload: bytes) -> tuple[dict[str, np.ndarray], TrieSettings]:
+    """Settings and columns of a payload whose checksum matched: sound or not, it is checked, not trusted."""
     from safetensors import SafetensorError
     from safetensors.numpy import load
 
-    (header_length,) = struct.unpack_from("<Q", payload)
-    header = json.loads(payload[8 : 8 + header_length])
-    settings = json.loads(header["__metadata__"]["lookahead-trie"])
-    if not isinstance(settings, dict) or set(settings) != {f.name for f in fields(TrieSettings)}:
-        raise ValueError("unexpected settings")
+    settings = _settings(_json(_metadata(_header(payload)), "the settings"))
     try:
         arrays = load(payload)
     except SafetensorError as err:
         raise ValueError(str(err)) from err
-    if set(arrays) != set(_COLUMNS) or any(arrays[n].dtype != d or arrays[n].ndim != 1 for n, d in _COLUMNS.items()):
-        raise ValueError("unexpected columns")
-    return arrays, TrieSettings(**settings)
+    if set(arrays) != set(_COLUMNS):
+        raise ValueError(f"columns {sorted(arrays)}, expected {sorted(_COLUMNS)}")
+    for name, dtype in _COLUMNS.items():
+        column = arrays[name]
+        if column.dtype != dtype or column.ndim != 1:
+            raise ValueError(f"column {name} is {column.ndim}-d {column.dtype}, expected 1-d {np.dtype(dtype)}")
+    return arrays, settings
+
+
+def _header(payload: bytes) -> dict[str, Any]:
+    """The safetensors header, its length checked against the payload before it is sliced."""
+    if len(payload) < 8:
+        raise ValueError(f"a {len(payload)}-byte payload has no room for a safetensors header")
+    (length,) = struct.unpack_from("<Q", payload)
+    if length > min(len(payload) - 8, _MAX_HEADER_BYTES):
+        raise ValueError(f"safetensors header of {length} bytes in a {len(payload)}-byte payload")
+    header = _json(payload[8 : 8 + length], "the safetensors header")
+    if not isinstance(header, dict):
+        raise ValueError("the safetensors header is not a JSON object")
+    return header
+
+
+def _metadata(header: dict[str, Any]) -> str:
+    """The settings' JSON text, which `write_trie` keeps in the safetensors metadata."""
+    metadata = header.get("__metadata__")
+    settings = metadata.get("lookahead-trie") if isinstance(metadata, dict) else None
+    if not isinstance(settings, str):
+        raise ValueError("no lookahead-trie settings in the safetensors metadata")
+    return settings
+
+
+def _json(text: str | bytes, what: str) -> Any:
+    """Parsed JSON; ValueError, never RecursionError, for deep nesting."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{what}: JSON nested too deeply") from None
+    except ValueError as err:
+        raise ValueError(f"{what}: not JSON ({err})") from None
+
+
+def _settings(record: Any) -> TrieSettings:
+    """The settings record, if it has exactly TrieSettings' fields (their values are TokenTrie's to check)."""
+    names = {f.name for f in fields(TrieSettings)}
+    if not isinstance(record, dict) or set(record) != names:
+        raise ValueError(f"the settings are not a record of exactly {', '.join(sorted(names))}")
+    return TrieSettings(**record)
