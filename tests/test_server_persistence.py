@@ -86,6 +86,26 @@ def test_load_trie_errors_name_the_problem(tmp_path):
         load_trie(tmp_path / "junk.bin")
 
 
+def test_load_trie_refuses_hostile_files_naming_them(tmp_path):
+    from dataclasses import replace
+
+    from lookahead.drafting.triefile import read_trie, write_trie
+
+    path = tmp_path / "trie.bin"
+    filled_trie(50).save(path)
+    columns, settings = read_trie(path)
+    write_trie(path, columns, replace(settings, tokenizer_id=12345))
+    with pytest.raises(
+        ValueError, match=f"^{path}: .*tokenizer_id must be text or null, got 12345.*move the file away"
+    ):
+        load_trie(path)
+    write_trie(path, columns, replace(settings, ngram_length=10**6))
+    with pytest.raises(ValueError, match="ngram_length must be an integer from 2 to 256, got 1000000"):
+        load_trie(path)
+    with pytest.raises(ValueError, match=r"not a regular file.*move the file away"):
+        load_trie(tmp_path)
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.run(

@@ -3,7 +3,9 @@
 import json
 import subprocess
 import sys
+import time
 
+import numpy as np
 import pytest
 
 from lookahead.cli import main
@@ -57,13 +59,44 @@ def test_engine_starts_warm_from_a_built_file(offline_model, tmp_path):
     from lookahead import LookaheadConfig, LookaheadEngine
 
     _, tokenizer = offline_model
-    model = tiny_model("llama")
+    model = tiny_model("llama", vocab_size=len(tokenizer))  # the file's ids are the tokenizer's: all must embed
     text = "def add(a, b):\n    return a + b\n"
     (tmp_path / "code.txt").write_text(text)
     assert main(["trie", "build", str(tmp_path / "code.txt"), "-o", str(tmp_path / "t")]) == 0
     engine = LookaheadEngine(model, tokenizer, LookaheadConfig(policy="fixed"), trie=TokenTrie.load(tmp_path / "t"))
     ids = tokenizer.encode("def add(a, b):", add_special_tokens=False)
     assert tokenizer.decode(engine.trie.retrieve(ids, 8, 8).tokens).startswith("\n    return a + b")
+
+
+def _no_model(*args, **kwargs):
+    raise AssertionError("a bad trie file must be refused before the model loads")
+
+
+def _chain_file(path, nodes: int) -> None:
+    """A sound container holding one path of `nodes` nodes: far deeper than any n-gram length allows."""
+    from lookahead.drafting.triefile import TrieSettings, write_trie
+
+    ones = np.ones(nodes, dtype=np.int64)
+    columns = {"token": ones, "parent": np.arange(nodes), "count": ones, "weight": ones, "source": ones}
+    settings = TrieSettings(256, [], None, None, 0.0, nodes, None)
+    write_trie(path, columns, settings)
+
+
+def test_hostile_files_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("lookahead.load_model", _no_model)
+    chain = tmp_path / "chain.trie"
+    _chain_file(chain, 200_000)
+    start = time.perf_counter()
+    assert main(["trie", "inspect", str(chain)]) == 2
+    assert time.perf_counter() - start < 10  # it took 71 s to get through the depths of this chain
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("some text\n")
+    assert main(["trie", "build", str(corpus), "-o", str(tmp_path / "out"), "--into", str(tmp_path)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        f"lookahead: error: {chain}: malformed trie file (it holds a 200000-gram, longer than its n-gram length 256)",
+        f"lookahead: error: {tmp_path}: not a regular file (a directory, a pipe or a device), so not a trie file",
+    ]
 
 
 def test_inspect_of_a_directory_exits_2_without_a_traceback(tmp_path):

@@ -99,6 +99,7 @@ class LookaheadEngine:
         trie = trie if trie is not None else TokenTrie.from_config(config, self.eos_ids)
         if tokenizer is not None:
             trie.bind_tokenizer(tokenizer)  # a trie saved with another tokenizer is refused here
+        trie.check_vocabulary(model.config.vocab_size)  # and one with ids the model has no embedding for
         self.forward = ModelForward(model)
         check_cached_decoding(self.forward)
         self.draft_mode: DraftMode = probe_draft_mode(self.forward)

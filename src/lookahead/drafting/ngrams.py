@@ -27,6 +27,11 @@ MAX_TOKEN = (1 << TOKEN_BITS) - 1
 
 OUTPUT, CORPUS, PROMPT = 1, 2, 4
 """Source flags of a node: seen in a model's output, inserted from a corpus, in the request's prompt."""
+SHARED_SOURCES = (OUTPUT, CORPUS, OUTPUT | CORPUS)
+"""The flags a shared (saved) node can have: prompt n-grams are never shared."""
+MAX_COUNT = 1 << 53
+"""Largest count a loaded node may have: more sightings than any corpus has tokens, and far
+enough below the int64 limit that counting on can never overflow."""
 
 
 class NgramStore:
@@ -243,18 +248,11 @@ class NgramStore:
 
     @classmethod
     def from_columns(cls, columns: dict[str, np.ndarray]) -> NgramStore:
-        """A store from `export`'s columns; raises ValueError if they do not form a trie."""
+        """A store from `export`'s columns; raises ValueError, naming a bad node, if they do not form a trie."""
+        _check_columns(columns)
         tokens, parents = columns["token"], columns["parent"].astype(np.int64)
         n = len(tokens)
-        if any(len(columns[name]) != n for name in ("parent", "count", "weight", "source")):
-            raise ValueError("columns differ in length")
         rows = np.arange(1, n + 1)
-        if n and (tokens.min() < 0 or tokens.max() > MAX_TOKEN):
-            raise ValueError("token id out of range")
-        if n and (parents.min() < 0 or (parents >= rows).any()):
-            raise ValueError("a node comes before its parent")
-        if n and (columns["count"].min() < 1 or not np.isfinite(columns["weight"]).all()):
-            raise ValueError("counts must be positive and weights finite")
         store = cls()
         keys = (parents << TOKEN_BITS | tokens.astype(np.int64)).tolist()
         store.index = dict(zip(keys, rows.tolist(), strict=True))
@@ -281,3 +279,26 @@ class NgramStore:
         store.next = array("i", following.tobytes())
         store.prev = array("i", previous.tobytes())
         return store
+
+
+def _check_columns(columns: dict[str, np.ndarray]) -> None:
+    """ValueError unless the columns are a trie `export` could have written (they may come from a file)."""
+    tokens, parents, counts, weights = (columns[name] for name in ("token", "parent", "count", "weight"))
+    n = len(tokens)
+    if any(len(columns[name]) != n for name in ("parent", "count", "weight", "source")):
+        raise ValueError("columns differ in length")
+    _refuse((tokens < 0) | (tokens > MAX_TOKEN), tokens, "token id", f"must be in [0, {MAX_TOKEN}]")
+    _refuse((parents < 0) | (parents > np.arange(n)), parents, "parent", "must come before the node")
+    _refuse((counts < 1) | (counts > MAX_COUNT), counts, "count", f"must be in [1, 2**{MAX_COUNT.bit_length() - 1}]")
+    above = np.concatenate([[MAX_COUNT], counts])[parents]  # the root's count bounds nothing
+    _refuse(counts > above, counts, "count", "must not exceed its parent's")
+    _refuse(~np.isfinite(weights) | (weights < 0), weights, "weight", "must be finite and not negative")
+    flags = columns["source"]
+    _refuse(~np.isin(flags, SHARED_SOURCES), flags, "source flags", f"must be one of {SHARED_SOURCES}")
+
+
+def _refuse(bad: np.ndarray, values: np.ndarray, name: str, rule: str) -> None:
+    """ValueError naming the first node (1-based, as in a file) where `bad` holds."""
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"node {row + 1}: {name} {values[row].item()!r} {rule}")

@@ -30,6 +30,8 @@ from ..config import (
     check_half_life,
     check_max_nodes,
     check_ngram_length,
+    is_finite_number,
+    is_int,
 )
 from .ngrams import CORPUS, MAX_TOKEN, OUTPUT, PROMPT, NgramStore
 from .tree import DraftTree
@@ -46,6 +48,9 @@ have thousands, and scanning them all made one retrieval take tens of millisecon
 recorded benchmark prompts 8, 16, 48 or all give the same tokens per step (within 0.1 %)."""
 _RESCALE_AT = 64.0
 """Weights grow as 2**(age / half_life); past 2**64 they are scaled back down together."""
+_MOST_PER_SIGHTING = 2.0 ** (_RESCALE_AT + 1)
+"""Bound on the weight one sighting adds (2**_RESCALE_AT, with a margin): a file's weight above
+count times this could only grow to infinity, and make the next save unreadable."""
 
 
 class _Feed:
@@ -126,6 +131,8 @@ class TokenTrie:
         self.half_life = half_life
         self.tokenizer_id: str | None = None
         """Fingerprint of the tokenizer whose ids these are; set by the engine or a loaded file."""
+        self.loaded_from: str | None = None
+        """The file this trie was loaded from, named in the errors its contents cause later."""
         self._shared = NgramStore()
         self._age = 0.0  # tokens learned since the weights were last rescaled
         self._learned = 0
@@ -154,6 +161,20 @@ class TokenTrie:
                     f"this trie was built with another tokenizer (vocabulary {self.tokenizer_id[:12]}, the model's "
                     f"is {fingerprint[:12]}): its token ids would mean other words"
                 )
+
+    def check_vocabulary(self, size: int) -> None:
+        """Refuse a trie holding a token id of `size` or more: the model has no embedding for it.
+
+        Without this check a trie built for a larger vocabulary loads, and then every step
+        that drafts one of those ids fails inside the model.
+        """
+        with self._lock:
+            largest = int(np.frombuffer(self._shared.token, dtype=np.int32).max())
+        if largest >= size:
+            raise ValueError(
+                f"{self.loaded_from or 'the trie'}: token id {largest} is outside the model's vocabulary of {size} "
+                "tokens: the trie was built for another model"
+            )
 
     # ---- learning ---------------------------------------------------------------------
 
@@ -185,11 +206,15 @@ class TokenTrie:
         feed.push(tokens, self.boundary_ids, weight)
         self._age += len(tokens)
         self._learned += len(tokens)
+        self._rescale_if_due()
+        if self.max_nodes is not None and len(self._shared) > self.max_nodes:
+            self._evict(math.floor(self.max_nodes * KEEP_AFTER_EVICTION))
+
+    def _rescale_if_due(self) -> None:
+        """Scale the weights back down once new sightings would weigh more than 2**_RESCALE_AT."""
         if self.half_life is not None and self._age / self.half_life > _RESCALE_AT:
             self._shared.rescale(2.0 ** -(self._age / self.half_life))
             self._age = 0.0
-        if self.max_nodes is not None and len(self._shared) > self.max_nodes:
-            self._evict(math.floor(self.max_nodes * KEEP_AFTER_EVICTION))
 
     def _evict(self, keep: int) -> None:
         store = self._shared
@@ -357,25 +382,41 @@ class TokenTrie:
 
     @classmethod
     def load(cls, path: str | PathLike[str], max_nodes: int | str | None = "saved") -> TokenTrie:
-        """A trie read from `path`; ValueError if the file is not a sound trie file of this version.
+        """A trie read from `path`; ValueError, naming the file and the problem, if it is not a sound trie file.
 
         `max_nodes` overrides the saved budget (None: no budget); a file larger than the
-        budget is trimmed by eviction on load.
+        budget is trimmed by eviction on load. A file is data from anywhere: every value in it
+        is checked against what a save can write, and refused if it is not, but one: an age of
+        more than _RESCALE_AT half-lives is rescaled away, as learning on would have done.
         """
+        if max_nodes != "saved":
+            check_max_nodes(max_nodes)  # the caller's mistake, not the file's
         columns, settings = read_trie(path)
+        budget = settings.max_nodes if max_nodes == "saved" else max_nodes
         try:
-            trie = cls(
-                settings.ngram_length,
-                settings.boundary_ids,
-                settings.max_nodes if max_nodes == "saved" else max_nodes,
-                settings.half_life,
-            )
-            trie._shared = NgramStore.from_columns(columns)
+            trie = cls(settings.ngram_length, settings.boundary_ids, budget, settings.half_life)
+            trie._restore(columns, settings)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{path}: malformed trie file ({err})") from err
-        trie._age = float(settings.age)
-        trie._learned = int(settings.tokens_learned)
-        trie.tokenizer_id = settings.tokenizer_id
+        trie.loaded_from = str(path)
         if trie.max_nodes is not None and len(trie) > trie.max_nodes:
             trie._evict(trie.max_nodes)
         return trie
+
+    def _restore(self, columns: dict[str, np.ndarray], settings: TrieSettings) -> None:
+        """Adopt a file's nodes and learning state, refusing any value a save could not have written."""
+        store = NgramStore.from_columns(columns)
+        deepest = int(store.depths().max())
+        if deepest > self.ngram_length:
+            raise ValueError(f"it holds a {deepest}-gram, longer than its n-gram length {self.ngram_length}")
+        if (columns["weight"] > columns["count"] * _MOST_PER_SIGHTING).any():
+            raise ValueError("a weight is larger than its count of sightings can make it")
+        age, learned, tokenizer_id = settings.age, settings.tokens_learned, settings.tokenizer_id
+        if not (is_finite_number(age) and age >= 0):
+            raise ValueError(f"age must be a finite number, not negative, got {age!r}")
+        if not (is_int(learned) and learned >= 0):
+            raise ValueError(f"tokens_learned must be a whole number, not negative, got {learned!r}")
+        if not (tokenizer_id is None or isinstance(tokenizer_id, str)):
+            raise ValueError(f"tokenizer_id must be text or null, got {tokenizer_id!r}")
+        self._shared, self._age, self._learned, self.tokenizer_id = store, float(age), learned, tokenizer_id
+        self._rescale_if_due()
