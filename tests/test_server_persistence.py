@@ -106,6 +106,28 @@ def test_load_trie_refuses_hostile_files_naming_them(tmp_path):
         load_trie(tmp_path)
 
 
+_KILLED_SAVE = """
+import os, signal, sys
+from lookahead import TokenTrie
+os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)  # killed half-way through the save
+trie = TokenTrie(8)
+trie.insert(list(range(100)))
+trie.save(sys.argv[1])
+"""
+
+
+def test_start_removes_what_a_killed_save_left(tmp_path):
+    path = tmp_path / "trie.bin"
+    killed = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(path)], capture_output=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL
+    (left,) = tmp_path.iterdir()
+    assert left.name.startswith("trie.bin.") and left.name.endswith(".tmp")
+    assert load_trie(path) is None and left.exists()  # too recent to be sure its writer is gone
+    long_ago = time.time() - 3600
+    os.utime(left, (long_ago, long_ago))
+    assert load_trie(path) is None and not left.exists()
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.run(

@@ -1,7 +1,10 @@
 """The trie as a long-lived index: budget, eviction, prompt release, save / load, refused files."""
 
+import os
 import pickle
 import struct
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -11,7 +14,7 @@ from hypothesis import strategies as st
 
 from lookahead.drafting.ngrams import OUTPUT, NgramStore
 from lookahead.drafting.trie import TokenTrie
-from lookahead.drafting.triefile import MAGIC, tokenizer_fingerprint
+from lookahead.drafting.triefile import MAGIC, STALE_SCRATCH_S, remove_stale_scratch, tokenizer_fingerprint
 
 
 class FakeTokenizer:
@@ -319,3 +322,29 @@ def test_a_sound_container_with_an_unsound_trie_is_refused(tmp_path):
     write_trie(tmp_path / "bad", columns, settings)
     with pytest.raises(ValueError, match="malformed trie file"):
         TokenTrie.load(tmp_path / "bad")
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", ""])
+    child.wait()
+    return child.pid
+
+
+def test_a_save_sweeps_up_only_what_killed_saves_left(tmp_path):
+    target = tmp_path / "trie.bin"
+    dead = _dead_pid()
+    long_ago = time.time() - 2 * STALE_SCRATCH_S
+    stale = tmp_path / f"trie.bin.{dead}.ab12cd_3.tmp"
+    kept = {
+        f"trie.bin.{os.getpid()}.ef45gh67.tmp": long_ago,  # its writer is running: a save in progress
+        f"trie.bin.{dead}.ij89kl01.tmp": time.time(),  # recent: maybe a writer in another pid namespace
+        f"other.bin.{dead}.mn23op45.tmp": long_ago,  # another trie's
+        f"trie.bin.{dead}.tmp": long_ago,  # not a name write_trie makes
+        "trie.bin.bak": long_ago,
+    }
+    for name, when in [(stale.name, long_ago), *kept.items()]:
+        (tmp_path / name).write_bytes(b"half a trie")
+        os.utime(tmp_path / name, (when, when))
+    TokenTrie().save(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, *kept])
+    assert remove_stale_scratch(target) == []

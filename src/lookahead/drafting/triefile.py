@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import re
 import stat
 import struct
 import tempfile
+import time
 from dataclasses import asdict, dataclass, fields
 from os import PathLike
 from pathlib import Path
@@ -37,6 +40,10 @@ MAX_PAYLOAD_BYTES = 1 << 30
 8 GB once loaded). A larger file is refused from its size, before any of it is read."""
 _MAX_HEADER_BYTES = 1 << 20
 """Largest safetensors header read: a trie's is a few hundred bytes (five columns and its settings)."""
+STALE_SCRATCH_S = 600.0
+"""A temporary file untouched this long, whose writer is not running, was left by a killed save."""
+
+log = logging.getLogger("lookahead.trie")
 
 
 @dataclass(frozen=True)
@@ -60,13 +67,18 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 
 def write_trie(path: str | PathLike[str], columns: dict[str, np.ndarray], settings: TrieSettings) -> None:
-    """Write atomically: readers see the old file or the complete new one, never a part."""
+    """Write atomically: readers see the old file or the complete new one, never a part.
+
+    The temporary file's name holds the writer's pid, so a later save can tell what a killed
+    one left behind (see `remove_stale_scratch`, which runs first).
+    """
     from safetensors.numpy import save
 
     arrays = {name: np.ascontiguousarray(columns[name], dtype=dtype) for name, dtype in _COLUMNS.items()}
     payload = save(arrays, metadata={"lookahead-trie": json.dumps(asdict(settings))})
     target = Path(path)
-    fd, scratch = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent or ".")
+    remove_stale_scratch(target)
+    fd, scratch = tempfile.mkstemp(prefix=f"{target.name}.{os.getpid()}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as out:
             out.write(_PREFIX.pack(MAGIC, VERSION, len(payload), hashlib.sha256(payload).digest()))
@@ -77,6 +89,55 @@ def write_trie(path: str | PathLike[str], columns: dict[str, np.ndarray], settin
     except BaseException:
         Path(scratch).unlink(missing_ok=True)
         raise
+
+
+def remove_stale_scratch(path: str | PathLike[str]) -> list[Path]:
+    """Delete the temporary files killed saves of `path` left in its folder; returns them.
+
+    Only files named as `write_trie` names them, `NAME.PID.RANDOM.tmp`, that have not changed
+    for STALE_SCRATCH_S and whose pid is not a running process. Both must hold: a pid alone
+    would not protect the file of a save running in another pid namespace sharing the folder.
+    """
+    target = Path(path)
+    pattern = re.compile(re.escape(target.name) + r"\.(\d+)\.[a-z0-9_]+\.tmp")
+    try:
+        entries = list(os.scandir(target.parent))
+    except OSError:
+        return []
+    removed = []
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if match is None or not _abandoned(entry, match.group(1)):
+            continue
+        try:
+            os.unlink(entry.path)
+        except FileNotFoundError:  # another process swept it first
+            continue
+        removed.append(Path(entry.path))
+    if removed:
+        log.warning("removed %d temporary file(s) left by an interrupted save of %s", len(removed), target)
+    return removed
+
+
+def _abandoned(entry: os.DirEntry, pid: str) -> bool:
+    """True when `entry` is a regular file unchanged for STALE_SCRATCH_S whose writer is not running."""
+    try:
+        info = entry.stat(follow_symlinks=False)
+    except OSError:
+        return False
+    if not stat.S_ISREG(info.st_mode) or time.time() - info.st_mtime < STALE_SCRATCH_S:
+        return False
+    return not _running(int(pid))
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:  # it exists, and belongs to someone else
+        return True
+    return True
 
 
 def read_trie(path: str | PathLike[str]) -> tuple[dict[str, np.ndarray], TrieSettings]:

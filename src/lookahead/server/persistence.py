@@ -14,17 +14,22 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..drafting.trie import TokenTrie
+from ..drafting.triefile import remove_stale_scratch
 
 log = logging.getLogger("lookahead.server")
 
 
 def load_trie(path: str | os.PathLike | None) -> TokenTrie | None:
-    """The trie saved at `path`, or None when there is none yet (a first start)."""
+    """The trie saved at `path`, or None when there is none yet (a first start).
+
+    Temporary files that a killed save of `path` left behind are removed first.
+    """
     if path is None:
         return None
     target = Path(path)
     if not target.parent.is_dir():
         raise ValueError(f"--trie-path {path}: the directory {target.parent} does not exist")
+    remove_stale_scratch(target)
     if not target.exists():
         return None
     try:
