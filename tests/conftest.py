@@ -51,11 +51,13 @@ def hf_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
 
 
 BENCHMARK_SETS = ["humaneval", "gsm8k", "mtbench", "code-edit"]
+REFERENCE_TOKENS = 40
+"""Enough for a warm trie to draft, accept and compact many times a prompt; the suite runs it for 40 prompts."""
 
 
 @pytest.fixture(scope="session")
 def greedy_references(default_model) -> dict[tuple[str, str], tuple[list[int], list[int]]]:
-    """(prompt ids, the model's own greedy 64 new tokens) of the first 10 prompts of each benchmark set.
+    """(prompt ids, the model's own greedy REFERENCE_TOKENS new tokens) of the first 10 prompts of each benchmark set.
 
     Computed once for the run; greedy output for fewer tokens is a prefix of it.
     """
@@ -66,5 +68,5 @@ def greedy_references(default_model) -> dict[tuple[str, str], tuple[list[int], l
     for prompt in load_prompts(BENCHMARK_SETS, 10):
         messages = [{"role": "user", "content": prompt.text}]
         ids = [int(t) for t in tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)]
-        references[prompt.dataset, prompt.key] = (ids, hf_greedy(model, ids, 64))
+        references[prompt.dataset, prompt.key] = (ids, hf_greedy(model, ids, REFERENCE_TOKENS))
     return references

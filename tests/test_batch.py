@@ -131,15 +131,17 @@ def test_per_prompt_options_and_their_errors(tokenizer):
 @pytest.mark.slow
 def test_real_prompts_in_batches_with_rows_joining_and_leaving_equal_generate(default_model, greedy_references):
     model, tokenizer = default_model
-    engine = LookaheadEngine(model, tokenizer)  # the adaptive default, priced by batched steps
     chosen = [key for number, key in enumerate(greedy_references) if number % 10 < 6]  # 6 prompts of each set
     ids = [greedy_references[key][0] for key in chosen]
     assert len(ids) == 24 and len({len(x) for x in ids}) > 12, "prompts of mixed lengths"
-    lengths = [16 + 8 * (i % 4) for i in range(len(ids))]  # rows end at different steps: others join
+    lengths = [16 + 8 * (i % 4) for i in range(len(ids))]  # 16-40: rows end apart, others join
     want = [greedy_references[key][1][:n] for key, n in zip(chosen, lengths, strict=True)]  # greedy: prefixes
-    for max_batch in (8, 3):
-        outs = engine.generate_batch(ids, lengths, max_batch=max_batch)
-        mismatched = [key for key, out, w in zip(chosen, outs, want, strict=True) if out.token_ids != w]
+    adaptive = LookaheadEngine(model, tokenizer)  # the default, priced by batched steps: may send no drafts
+    fixed = LookaheadEngine(model, tokenizer, LookaheadConfig(policy="fixed"))  # whole trees: wide padded blocks
+    for engine, max_batch, count in ((adaptive, 8, 24), (fixed, 3, 12)):
+        outs = engine.generate_batch(ids[:count], lengths[:count], max_batch=max_batch)
+        assert len(outs) == count
+        mismatched = [key for key, out, w in zip(chosen, outs, want, strict=False) if out.token_ids != w]
         assert mismatched == [], f"max_batch={max_batch}"
-    assert engine.verifier.batched and engine.policy.cost.rows[-1] > 1
-    assert sum(out.stats.draft_tokens for out in outs) > 0
+    assert adaptive.verifier.batched and adaptive.policy.cost.rows[-1] > 1
+    assert sum(out.stats.draft_tokens for out in outs) > 0 and sum(out.stats.steps for out in outs) < sum(lengths[:12])

@@ -1,7 +1,7 @@
 """Exactness on the bundled default model, real prompts from every benchmark set, warm trie."""
 
 import pytest
-from conftest import hf_greedy
+from conftest import REFERENCE_TOKENS, hf_greedy
 
 from lookahead import LookaheadEngine
 from lookahead.bench.datasets import load_prompts
@@ -27,7 +27,7 @@ def test_forty_real_prompts_equal_generate(engine, greedy_references):
         ids = engine.chat_ids([{"role": "user", "content": prompt.text}])
         reference_ids, want = greedy_references[prompt.dataset, prompt.key]
         assert ids == reference_ids
-        out = engine.generate(ids, max_new_tokens=64)
+        out = engine.generate(ids, max_new_tokens=REFERENCE_TOKENS)
         if out.token_ids != want:
             mismatches.append(prompt.key)
         drafted += out.stats.draft_tokens

@@ -133,8 +133,9 @@ def test_cost_model_interpolates_between_measured_row_counts():
     four = BATCH.predict(8, rows=4)
     assert BATCH.predict(8, rows=1) < four < BATCH.predict(8, rows=8)
     assert BATCH.predict(8, rows=16) > BATCH.predict(8, rows=8), "past the largest measured count: extrapolated"
-    BATCH.observe(8, 2 * BATCH.predict(8, rows=8), rows=8)
-    assert BATCH.scale > 1.0
+    busy = CostModel({1: 56.0, 32: 117.0}, batched={8: {1: 97.0, 16: 418.0}})  # BATCH is shared: not changed here
+    busy.observe(1, 2 * busy.predict(1, rows=8), rows=8)
+    assert busy.scale > 1.0
 
 
 def test_flat_cost_sends_drafts_for_every_row():
@@ -155,3 +156,28 @@ def test_the_likeliest_rows_decide_the_width_and_the_others_fill_it():
     fitted = DraftPolicy(BATCH).fit([sure] * 4 + [doubtful] * 4)
     assert len(fitted[0]) > 0, "rows that copy text earn the width"
     assert {len(t) for t in fitted} == {len(fitted[0])}, "the other rows pay for that width anyway: they fill it"
+
+
+def test_steps_of_one_size_correct_that_size_and_not_the_shape_of_the_others():
+    cost = CostModel({1: 50.0, 8: 60.0}, batched={8: {1: 100.0, 4: 110.0, 8: 160.0}})
+    for _ in range(30):  # 8 rows of 4 run at twice the measurement; 8 rows of 1 as measured
+        cost.observe(4, 220.0, rows=8)
+        cost.observe(1, 100.0, rows=8)
+    assert cost.predict(4, rows=8) == pytest.approx(220.0, rel=0.1)
+    assert cost.predict(1, rows=8) == pytest.approx(100.0, rel=0.1)
+    assert cost.predict(3, rows=8) == pytest.approx(2 * cost.measured(3, rows=8), rel=0.1), "3 and 4 share a bucket"
+    assert cost.predict(2) == pytest.approx(cost.measured(2)), "plain steps ran as measured: so do unseen sizes"
+    for _ in range(100):
+        cost.observe(1, 150.0, rows=8)  # the machine got busier
+    assert cost.predict(2) == pytest.approx(1.5 * cost.measured(2), rel=0.05)
+
+
+def test_an_underpriced_width_is_learnt_and_then_not_chosen():
+    cost = CostModel({1: 50.0, 8: 60.0}, batched={8: {1: 100.0, 4: 105.0, 8: 160.0}})
+    policy = DraftPolicy(cost)
+    trees = [DraftTree([1, 2, 3], [0, 1, 2], chances=[0.4, 0.2, 0.1]) for _ in range(8)]
+    assert len(policy.fit(trees)[0]) == 3, "measured as nearly free: drafts for every row"
+    for _ in range(20):  # any drafting step takes twice its price, plain steps what they cost
+        sent = policy.fit(trees)
+        policy.observe(sent, 210.0 if len(sent[0]) else 100.0)
+    assert [len(tree) for tree in policy.fit(trees)] == [0] * 8

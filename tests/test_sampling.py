@@ -179,8 +179,9 @@ def test_lookahead_sampling_matches_the_models_distribution(tiny_engine, monkeyp
     samples, accepted = draw(tiny_engine, range(DRAWS))
     assert accepted > DRAWS // 10, "drafts were rarely accepted: the test would not exercise verification"
     assert goodness_of_fit(samples, exact) > 1e-3
-    plain, _ = draw(tiny_engine, range(DRAWS, 2 * DRAWS), use_lookahead=False)
-    assert goodness_of_fit(plain, exact) > 1e-3
+    seeds = list(range(DRAWS, 2 * DRAWS))  # the test's own check, drawn quicker as plain batched decoding
+    plain = tiny_engine.generate_batch([PROMPT] * DRAWS, 3, 16, False, do_sample=True, temperature=0.9, seed=seeds)
+    assert goodness_of_fit([tuple(out.token_ids) for out in plain], exact) > 1e-3
 
     monkeypatch.setattr(lookahead.decoding.verifier, "accept", accept_every_draft)
     wrong, _ = draw(tiny_engine, range(2 * DRAWS, 2 * DRAWS + 2_000))

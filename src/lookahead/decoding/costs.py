@@ -25,40 +25,45 @@ from .forward import ModelForward
 COST_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # small widths are irregular on CPUs
 BATCH_ROWS = (2, 4, 8, 16)
 BATCH_WIDTHS = (1, 2, 4, 8, 16, 32)
+REPEATS = 5
 
 
 def measure_cost(
     forward: ModelForward,
     widths: Sequence[int] = COST_WIDTHS,
     context: int = 128,
-    repeats: int = 3,
+    repeats: int = REPEATS,
     rows: int = 1,
     tree_masks: bool = True,
 ) -> dict[int, float]:
-    """Median milliseconds of a forward pass of `rows` rows of each width, every row after `context` cached tokens."""
+    """Median milliseconds of a forward pass of `rows` rows of each width, every row after `context` cached tokens.
+
+    The widths take turns, one pass each a round, so a burst of other load on a shared
+    machine slows one pass of many widths rather than every pass of a few: measured one
+    width after another, 8 rows of 4 tokens once came out at 1.2x the cost of 8 rows of 1,
+    and ran at 2.1x.
+    """
     vocab = forward.vocab_size
     prefix = [(100 + 7 * i) % vocab for i in range(context)]
-    costs = {}
+    times: dict[int, list[float]] = {width: [] for width in widths}
     with torch.inference_mode():
         cache = forward.new_cache()
         forward.rows(cache, [prefix] * rows, [None] * rows, [0] * rows, tree_masks, last_only=True)
-        for width in widths:
-            times = []
-            for _ in range(repeats):
+        for _ in range(repeats):
+            for width in widths:
                 clock = time.perf_counter()
                 blocks = [prefix[:width]] * rows
                 logits = forward.rows(cache, blocks, [None] * rows, [context] * rows, tree_masks)
                 logits.argmax(-1).tolist()  # as a step: waits for the device
-                times.append((time.perf_counter() - clock) * 1000)
+                times[width].append((time.perf_counter() - clock) * 1000)
                 cache.crop(-width)  # the context stays the same for every measurement
-            costs[width] = round(statistics.median(times), 3)
-    return costs
+    return {width: round(statistics.median(spent), 3) for width, spent in times.items()}
 
 
 def cost_model(forward: ModelForward, batched: bool = False, tree_masks: bool = True) -> CostModel:
     """The cost curve of this model on this device (and, if `batched`, of BATCH_ROWS rows), cached on disk."""
     name = getattr(forward.config, "_name_or_path", "")
-    key = f"{name}|{forward.model.dtype}|{forward.device}|threads={torch.get_num_threads()}"
+    key = f"{name}|{forward.model.dtype}|{forward.device}|threads={torch.get_num_threads()}|interleaved={REPEATS}"
     wanted = {f"{key}|widths={COST_WIDTHS}": functools.partial(measure_cost, forward)}
     if batched:
         for rows in BATCH_ROWS:

@@ -6,8 +6,8 @@ prices every step: the trie drafts best-first by each node's learned chance of a
 and the policy sends the likeliest nodes, as many as maximise expected emitted tokens per
 predicted millisecond, which may be no draft at all.
 
-- Cost: milliseconds of a forward pass by its width, measured on the model at start and
-  scaled online by how real steps compare with the prediction.
+- Cost: milliseconds of a forward pass by its width and rows, measured on the model at
+  start and corrected online by how real steps of that size compare with the prediction.
 - Acceptance: per node, the chance it is accepted once its parent is, learned online from
   verification by where the node's n-gram was seen and the trie's count ratio (Calibration),
   engine-wide and per request; a node's chance is the product along its path.
@@ -59,9 +59,24 @@ class CostModel:
     points are replaced by a least-squares line through them. `batched` adds a curve per
     measured row count; other row counts are interpolated between them (and extrapolated
     past the largest from the last two).
+
+    Real steps correct the measurement: each size of step — its row count and width bucket
+    (1, 2, 3-4, 5-8, …) — learns its own factor (observed / measured). A start-up
+    measurement on a shared CPU can be off by 2x at one size and right at the next (8 rows
+    of 4 tokens measured at 1.2x 8 rows of 1, then running at 2.1x); one factor for all
+    sizes cannot undo a wrong shape. A size without recent evidence takes `scale`, the
+    factor of plain steps (width 1, which every policy can fall back to, so they are seen
+    whenever drafting is priced too high). An underpriced drafting size is chosen, observed
+    and repriced; an overpriced one loses its evidence as it ages and is tried again.
     """
 
     SMOOTH_FROM = 4
+    LEARNING_RATE = 0.1
+    """Weight of a new step in its size's factor once it has 1 / LEARNING_RATE steps (before: their mean)."""
+    PRIOR_STEPS = 2.0
+    """Steps of evidence `scale` is worth against a size's own factor."""
+    FORGET = 0.99
+    """A size's evidence fades by this much for every step of another size."""
 
     def __init__(
         self, points: Mapping[int | str, float], batched: Mapping[int | str, Mapping[int | str, float]] | None = None
@@ -72,26 +87,55 @@ class CostModel:
         self._curves.update({int(rows): _curve(curve) for rows, curve in (batched or {}).items()})
         self._rows = sorted(self._curves)
         self.scale = 1.0
+        """Observed / measured cost of plain steps, followed slowly: the machine's load and context."""
+        self._factors: dict[tuple[int, int], tuple[float, float, int]] = {}
+        """(rows, width bucket) -> (observed / measured, steps of evidence, step count when last seen)."""
+        self._steps = 0
 
     @property
     def rows(self) -> list[int]:
         """The row counts measured."""
         return list(self._rows)
 
-    def predict(self, width: int, rows: int = 1) -> float:
+    def measured(self, width: int, rows: int = 1) -> float:
+        """The start-up measurement at this size, interpolated: no online correction."""
         if rows == 1 or len(self._rows) == 1:
-            return self.scale * _at(self.widths, self.base, width)
+            return _at(self.widths, self.base, width)
         known = self._rows
         i = min(max(bisect.bisect_left(known, rows), 1), len(known) - 1)
         r0, r1 = known[i - 1], known[i]
         c0, c1 = (_at(*self._curves[r], width) for r in (r0, r1))
-        return self.scale * max(c0 + (c1 - c0) * (rows - r0) / (r1 - r0), c0)  # more rows never cost less
+        return max(c0 + (c1 - c0) * (rows - r0) / (r1 - r0), c0)  # more rows never cost less
+
+    def factor(self, width: int, rows: int = 1) -> float:
+        """How real steps of this size compare with the measurement: its own recent evidence blended with `scale`."""
+        own = self._factors.get((rows, _bucket(width)))
+        if own is None:
+            return self.scale
+        factor, evidence, seen = own
+        evidence *= self.FORGET ** (self._steps - seen)
+        return (evidence * factor + self.PRIOR_STEPS * self.scale) / (evidence + self.PRIOR_STEPS)
+
+    def predict(self, width: int, rows: int = 1) -> float:
+        return self.measured(width, rows) * self.factor(width, rows)
 
     def observe(self, width: int, milliseconds: float, rows: int = 1) -> None:
-        """Follow drift (load, longer context) with one slowly moving factor; ignore outliers."""
-        surprise = milliseconds / self.predict(width, rows)
-        if 0.2 < surprise < 5:
-            self.scale = 0.95 * self.scale + 0.05 * self.scale * surprise
+        """Learn from a real step of this size; a step 5x off its prediction is an outlier (a pause), ignored."""
+        if not 0.2 < milliseconds / self.predict(width, rows) < 5:
+            return
+        ratio = milliseconds / self.measured(width, rows)
+        if width == 1:
+            self.scale += 0.05 * (ratio - self.scale)
+        key = (rows, _bucket(width))
+        factor, evidence, seen = self._factors.get(key, (ratio, 0.0, self._steps))
+        evidence = evidence * self.FORGET ** (self._steps - seen) + 1
+        self._factors[key] = (factor + (ratio - factor) * max(1 / evidence, self.LEARNING_RATE), evidence, self._steps)
+        self._steps += 1
+
+
+def _bucket(width: int) -> int:
+    """Widths 1, 2, 3-4, 5-8, 9-16, …: neighbours cost alike, so they share what steps teach."""
+    return (width - 1).bit_length()
 
 
 class Calibration:
