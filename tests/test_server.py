@@ -250,6 +250,19 @@ def test_n_choices_are_rows_of_one_prompt(client, engine):
     assert ["".join(by_index[0]), "".join(by_index[1])] == seeded
 
 
+def test_the_seeds_of_n_choices_wrap_at_2_to_the_64(client, engine):
+    call = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.9}
+    sampled = client.completions.create(**call, seed=2**64 - 1, n=2)
+    seeded = [engine.generate(call["prompt"], 12, do_sample=True, temperature=0.9, seed=s).text for s in (2**64 - 1, 0)]
+    assert [c.text for c in sampled.choices] == seeded
+
+
+def test_stream_options_without_stream_is_refused_by_name(client):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, stream_options={"include_usage": True})
+    assert refused.value.body["param"] == "stream_options"
+
+
 def test_sampling_with_a_seed_matches_the_engine(client, engine):
     prompt = "Once upon a time"
     settings = {"temperature": 0.8, "top_p": 0.95, "seed": 11}
@@ -336,6 +349,27 @@ def test_client_leaving_mid_stream_frees_the_model(one_at_a_time, engine):
     assert metric(url, "lookahead_generations_total", endpoint="completions", outcome="cancelled") == cancelled + 1
 
 
+def test_bad_input_is_refused_at_once_while_the_batch_is_busy(one_at_a_time):
+    """Checked before queueing: with the one place taken for minutes, a queued request would time out."""
+    url = one_at_a_time
+    body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 4000, "temperature": 0, "stream": True}
+    bad = {
+        "seed": {**GOOD_COMPLETION, "temperature": 1, "seed": 2**64},
+        "prompt": _escaped({**GOOD_COMPLETION, "prompt": "\ud800"}),
+        "stop[0]": _escaped({**GOOD_COMPLETION, "stop": ["\udbff"]}),
+        "stream_options": {**GOOD_COMPLETION, "stream_options": {}},
+    }
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as running_stream:
+        lines = running_stream.iter_lines()
+        assert next(lines).startswith("data: ")
+        for param, request in bad.items():
+            sent = {"content": request} if isinstance(request, bytes) else {"json": request}
+            headers = {"content-type": "application/json"}
+            response = httpx.post(f"{url}/v1/completions", headers=headers, timeout=10, **sent)
+            assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+        assert httpx.get(f"{url}/health").json()["busy"]  # the stream still holds the batch
+
+
 def test_full_queue_answers_503_and_a_queued_client_that_leaves_frees_its_place(engine):
     with running(create_app(engine, ServerSettings(MODEL, max_queue=1, max_batch=1))) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -369,6 +403,12 @@ def test_full_queue_answers_503_and_a_queued_client_that_leaves_frees_its_place(
 
 
 # ---- bad requests -------------------------------------------------------------------------
+
+
+def _escaped(body: dict) -> bytes:
+    """JSON with non-ASCII text escaped: the only way to send a lone surrogate (httpx refuses to encode one)."""
+    return json.dumps(body).encode()
+
 
 GOOD_COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
 GOOD_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
@@ -421,6 +461,38 @@ BAD_REQUESTS = {
         {**GOOD_CHAT, "max_completion_tokens": 10**5},
         400,
         "max_completion_tokens",
+    ),
+    "lone surrogate in the prompt": (
+        "/v1/completions",
+        _escaped({**GOOD_COMPLETION, "prompt": "a\ud800b"}),
+        400,
+        "prompt",
+    ),
+    "lone surrogate in a message": (
+        "/v1/chat/completions",
+        _escaped({**GOOD_CHAT, "messages": [{"role": "user", "content": "a\udfffb"}]}),
+        400,
+        "messages[0].content",
+    ),
+    "lone surrogate in a text part": (
+        "/v1/chat/completions",
+        _escaped({**GOOD_CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}),
+        400,
+        "messages[0].content",
+    ),
+    "lone surrogate in a stop string": (
+        "/v1/completions",
+        _escaped({**GOOD_COMPLETION, "stop": "\udc00"}),
+        400,
+        "stop[0]",
+    ),
+    "seed of 2**64": ("/v1/completions", {**GOOD_COMPLETION, "seed": 2**64}, 400, "seed"),
+    "negative seed": ("/v1/completions", {**GOOD_COMPLETION, "seed": -1}, 400, "seed"),
+    "stream_options without stream": (
+        "/v1/completions",
+        {**GOOD_COMPLETION, "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
     ),
     "unknown route": ("/v1/embeddings", GOOD_COMPLETION, 404, None),
     "body too large": ("/v1/completions", {**GOOD_COMPLETION, "prompt": "x" * (3 * 1024 * 1024)}, 413, None),

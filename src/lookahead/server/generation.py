@@ -15,7 +15,7 @@ from ..decoding.engine import LookaheadEngine
 from ..decoding.generation import Generation
 from ..decoding.sampling import request_options
 from .errors import APIError
-from .schemas import ChatRequest, CompletionRequest, GenerationRequest
+from .schemas import SEED_LIMIT, ChatRequest, CompletionRequest, GenerationRequest
 
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 FALLBACK_CONTEXT = 2048  # for a model that does not state its context length
@@ -31,11 +31,13 @@ class Plan:
     choices: int = 1
 
     def generations(self, engine: LookaheadEngine) -> list[Generation]:
-        """The checked generations of the request: choice i samples with seed + i when a seed is given."""
+        """The checked generations of the request: choice i samples with seed + i (mod 2**64) when seeded."""
         seed = self.options.get("seed")
         return [
             engine.prepare(
-                self.prompt_ids, self.max_tokens, **{**self.options, **({} if seed is None else {"seed": seed + i})}
+                self.prompt_ids,
+                self.max_tokens,
+                **{**self.options, **({} if seed is None else {"seed": (seed + i) % SEED_LIMIT})},
             )
             for i in range(self.choices)
         ]

@@ -4,6 +4,8 @@ Requests are checked strictly (a string is not a number) so that a wrong type is
 the parameter, not a guess; fields this server does not know are ignored, as OpenAI's own
 clients send more than any one server uses. Options it knows but cannot honour (several
 choices, log-probabilities, penalties) are refused by name rather than silently dropped.
+Text the server reads must be valid Unicode: JSON can carry a lone UTF-16 surrogate
+(`"\\ud800"`), which no tokenizer or UTF-8 encoder accepts.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+SEED_LIMIT = 2**64
+"""Seeds are 64-bit unsigned, as torch's generator keeps them."""
 
 
 def _neutral(*allowed: Any, why: str):
@@ -28,6 +33,21 @@ def _neutral(*allowed: Any, why: str):
     return AfterValidator(check)
 
 
+def unicode_text(value: Any) -> Any:
+    """`value` unchanged if it is a string that UTF-8 can encode; a lone surrogate is a ValueError."""
+    if isinstance(value, str) and not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(
+                f"must be valid Unicode text: a lone surrogate {value[err.start]!r} at character {err.start}"
+            ) from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(unicode_text)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -39,12 +59,12 @@ class StreamOptions(_Strict):
 class GenerationRequest(_Strict):
     """What /v1/completions and /v1/chat/completions share."""
 
-    model: str
+    model: Text
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = None
-    stop: list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    stop: list[Text] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1, le=16)
@@ -63,6 +83,13 @@ class GenerationRequest(_Strict):
                 raise ValueError("a stop sequence must not be empty")
         return value
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("only allowed when stream is true")
+        return value
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -73,7 +100,7 @@ def _one_prompt(value: Any) -> Any:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
         value = value[0]
     if isinstance(value, str):
-        return value
+        return unicode_text(value)
     if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         return value
     if isinstance(value, list) and all(isinstance(p, str | list) for p in value):
@@ -109,8 +136,8 @@ class Message(_Strict):
                 isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in value
             ):
                 raise ValueError("only text content is supported (a string, or parts of type 'text')")
-            return "".join(p["text"] for p in value)
-        return value
+            value = "".join(p["text"] for p in value)
+        return unicode_text(value)
 
     def for_template(self) -> dict[str, str]:
         """Chat templates know 'system'; OpenAI's newer 'developer' role means the same."""
