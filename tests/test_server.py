@@ -397,6 +397,10 @@ def test_full_queue_answers_503_and_a_queued_client_that_leaves_frees_its_place(
             assert gave_up == [True]
             wait_for(lambda: httpx.get(f"{url}/health").json()["queue_length"] == 0, "the place to be freed")
             assert metric(url, "lookahead_generations_total", endpoint="completions", outcome="cancelled") == 1
+            # the client that left is counted as 499 (client closed request), apart from the full queue's 503
+            requests = {"route": "/v1/completions"}
+            wait_for(lambda: metric(url, "lookahead_http_requests_total", **requests, status="499") == 1, "the 499")
+            assert metric(url, "lookahead_http_requests_total", **requests, status="503") == 1
             assert httpx.get(f"{url}/health").json()["busy"]  # the first stream still runs
         reply = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0)
         assert reply.choices[0].text == engine.generate("Hi", 4).text

@@ -2,7 +2,9 @@
 
 A watcher listens for the client to hang up and cancels the job, whether it is still queued or
 already generating; however the exchange ends, the job is cancelled (harmless once finished),
-so no job outlives its client.
+so no job outlives its client. A job cancelled by its client leaving is answered 499 (nginx's
+"client closed request": no one reads it, but /metrics counts it apart from the server's own
+503s).
 """
 
 from __future__ import annotations
@@ -23,8 +25,13 @@ log = logging.getLogger("lookahead.server")
 T = TypeVar("T")
 
 
-def failure(err: Exception) -> APIError:
+CLIENT_CLOSED = 499
+
+
+def failure(err: Exception, client_left: bool = False) -> APIError:
     """The error status for a generation that ended without an answer."""
+    if isinstance(err, Cancelled) and client_left:
+        return APIError(CLIENT_CLOSED, "the client closed the request before its answer", code="client_closed")
     if isinstance(err, Cancelled):
         return APIError(503, "the request was cancelled: the server is stopping", code="cancelled")
     if isinstance(err, ValueError):
@@ -33,17 +40,18 @@ def failure(err: Exception) -> APIError:
     return APIError(500, "internal server error; see the server log")
 
 
-async def _cancel_on_disconnect(request: Request, job: Job) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    job.cancel()
-
-
 class Exchange:
     def __init__(self, request: Request, job: Job, plan: Plan, reply: Reply) -> None:
         self.job, self.plan, self.reply = job, plan, reply
-        self._watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
+        self.client_left = False
+        self._watcher = asyncio.create_task(self._cancel_on_disconnect(request))
         self._deltas = job.deltas()
+
+    async def _cancel_on_disconnect(self, request: Request) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.client_left = True  # before the cancellation it causes is heard
+        self.job.cancel()
 
     def close(self) -> None:
         self._watcher.cancel()
@@ -99,5 +107,5 @@ class Exchange:
         except BaseException as err:
             self.close()
             if isinstance(err, Exception):
-                raise failure(err) from None
+                raise failure(err, self.client_left) from None
             raise

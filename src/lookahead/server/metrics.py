@@ -21,7 +21,10 @@ class Metrics:
         self.registry = registry = CollectorRegistry()
         ProcessCollector(registry=registry)
         self.http = Counter(
-            "lookahead_http_requests", "HTTP requests by route and status", ["route", "status"], registry=registry
+            "lookahead_http_requests",
+            "HTTP requests by route and status (499: the client left before its answer)",
+            ["route", "status"],
+            registry=registry,
         )
         self.generations = Counter(
             "lookahead_generations",
