@@ -1,16 +1,18 @@
 """The server's queue and batch on their own: arrival order, a place per choice, cancellation while waiting
-or running, a full queue that says when to retry. A tiny random model keeps it fast; the engine is real."""
+or running, a full queue that says when to retry, the drain of a stopping server. A tiny random model keeps it
+fast; the engine is real."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 from conftest import hf_greedy
 from tiny_models import tiny_model
 
 from lookahead import LookaheadConfig, LookaheadEngine
-from lookahead.server.scheduler import Cancelled, QueueFull, Scheduler
+from lookahead.server.scheduler import Cancelled, QueueFull, Scheduler, Stopping
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -95,3 +97,60 @@ def test_full_queue_refuses_with_a_retry_time(engine):
         return full.value.retry_after
 
     assert asyncio.run(main()) >= 1
+
+
+def _gated(engine, gate, length: int = 400):
+    """A generation whose worker waits at its first step until `gate` is set: it is surely running then."""
+    return engine.prepare([5, 6, 7], length, on_tokens=lambda tokens: gate.wait(30))
+
+
+async def _outcome(job) -> str:
+    try:
+        async for _ in job.deltas():
+            pass
+    except Cancelled:
+        return "cancelled"
+    return job.outputs[0].finish_reason
+
+
+@pytest.mark.parametrize("timeout", [60.0, 0.0], ids=["running job finishes", "drain time over"])
+def test_drain_refuses_new_jobs_drops_waiting_ones_and_bounds_running_ones(engine, timeout):
+    gate = threading.Event()
+
+    async def main() -> tuple[str, str, int]:
+        scheduler = Scheduler(engine.batch(1), max_waiting=4)
+        running = scheduler.submit([_gated(engine, gate)], "test")
+        waiting = scheduler.submit([engine.prepare([5, 6, 8], 8)], "test")
+        scheduler.start()
+        while running.started is None:
+            await asyncio.sleep(0.01)
+        drain = asyncio.create_task(scheduler.drain(timeout))
+        await asyncio.sleep(0.05)
+        assert scheduler.stopping and running.finished is None
+        with pytest.raises(Stopping) as refused:
+            scheduler.submit([engine.prepare([5, 6], 4)], "test")
+        gate.set()
+        outcomes = await _outcome(running), await _outcome(waiting)
+        await asyncio.wait_for(drain, 30)
+        return *outcomes, refused.value.retry_after
+
+    ran, waited, retry_after = asyncio.run(main())
+    assert waited == "cancelled"
+    assert ran == ("length" if timeout else "cancelled")
+    assert retry_after >= 1
+
+
+def test_drain_ends_running_jobs_at_once_when_interrupted(engine):
+    gate = threading.Event()
+
+    async def main() -> str:
+        scheduler = Scheduler(engine.batch(1), max_waiting=4)
+        running = scheduler.submit([_gated(engine, gate)], "test")
+        scheduler.start()
+        while running.started is None:
+            await asyncio.sleep(0.01)
+        gate.set()
+        await asyncio.wait_for(scheduler.drain(60, interrupted=lambda: True), 30)
+        return await _outcome(running)
+
+    assert asyncio.run(main()) == "cancelled"

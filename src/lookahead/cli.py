@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=os.environ.get("LOOKAHEAD_API_KEY"), help="require Authorization: Bearer")
     serve.add_argument("--max-queue", type=_positive, default=32, help="waiting requests before answering 503")
     serve.add_argument("--max-batch", type=_positive, default=8, help="generations decoded together")
+    serve.add_argument(
+        "--drain-timeout", type=float, default=5.0, help="seconds running requests may finish after SIGTERM/SIGINT"
+    )
     add_trie_parser(commands)
     return parser
 

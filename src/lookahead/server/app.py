@@ -2,14 +2,16 @@
 
 Each generation request is checked and turned into a plan, queued, and answered from the
 worker's text deltas, as one JSON body or as server-sent events. A watcher per request hears
-the client leave and cancels its job, so a dropped client frees the model at once.
+the client leave and cancels its job, so a dropped client frees the model at once. `drain`
+(which `lookahead serve` calls on SIGTERM or SIGINT, before the listening socket closes)
+answers new and queued requests 503 and gives the running ones a bounded time to finish.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -25,7 +27,7 @@ from .generation import Plan, plan_chat, plan_completion
 from .guard import LimitBody, RequireApiKey
 from .metrics import CountRequests, Metrics
 from .persistence import TrieSaver
-from .scheduler import QueueFull, Scheduler
+from .scheduler import QueueFull, Scheduler, Stopping
 from .schemas import ChatRequest, CompletionRequest, GenerationRequest, Reply
 
 ROUTES = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
@@ -43,6 +45,12 @@ class ServerSettings:
     trie_path: str | None = None
     save_every_s: float = 600.0
     max_body_bytes: int = 2 * 1024 * 1024
+    drain_timeout_s: float = 5.0
+    """How long a stopping server lets running generations go on before it ends them."""
+
+
+Drain = Callable[[Callable[[], bool]], Awaitable[None]]
+"""`app.state.drain(interrupted)`: stop taking requests and end the running ones (sooner once `interrupted()`)."""
 
 
 def create_app(engine: LookaheadEngine, settings: ServerSettings) -> FastAPI:
@@ -79,6 +87,7 @@ def create_app(engine: LookaheadEngine, settings: ServerSettings) -> FastAPI:
     if settings.api_key:
         app.add_middleware(RequireApiKey, key=settings.api_key)
     app.add_middleware(CountRequests, metrics=metrics, routes=ROUTES)
+    app.state.drain = lambda interrupted: scheduler.drain(settings.drain_timeout_s, interrupted)
     started = int(time.time())
     card = {"id": settings.model_name, "object": "model", "created": started, "owned_by": "lookahead"}
 
@@ -93,6 +102,9 @@ def create_app(engine: LookaheadEngine, settings: ServerSettings) -> FastAPI:
             raise APIError(400, message, "n", "invalid_value")
         try:
             job = scheduler.submit(plan.generations(engine), label)
+        except Stopping as stopping:
+            retry = {"Retry-After": str(stopping.retry_after)}
+            raise APIError(503, "the server is shutting down", code="server_shutting_down", headers=retry) from None
         except QueueFull as full:
             message = f"the server is busy ({scheduler.waiting} requests waiting); retry later"
             raise APIError(503, message, code="queue_full", headers={"Retry-After": str(full.retry_after)}) from None
@@ -105,15 +117,17 @@ def create_app(engine: LookaheadEngine, settings: ServerSettings) -> FastAPI:
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.get("/health")
-    async def health() -> dict:
-        return {
-            "status": "ok",
+    async def health() -> JSONResponse:
+        """200 while serving; 503 once stopping, so that a load balancer sends no more requests."""
+        body = {
+            "status": "stopping" if scheduler.stopping else "ok",
             "model": settings.model_name,
             "queue_length": scheduler.waiting,
             "busy": scheduler.busy,
             "running": scheduler.running,
             "trie_nodes": len(engine.trie),
         }
+        return JSONResponse(body, 503 if scheduler.stopping else 200)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -4,7 +4,7 @@ A watcher listens for the client to hang up and cancels the job, whether it is s
 already generating; however the exchange ends, the job is cancelled (harmless once finished),
 so no job outlives its client. A job cancelled by its client leaving is answered 499 (nginx's
 "client closed request": no one reads it, but /metrics counts it apart from the server's own
-503s).
+503s); one cancelled because the server stops is a 503, or in a stream an error event.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def failure(err: Exception, client_left: bool = False) -> APIError:
     if isinstance(err, Cancelled) and client_left:
         return APIError(CLIENT_CLOSED, "the client closed the request before its answer", code="client_closed")
     if isinstance(err, Cancelled):
-        return APIError(503, "the request was cancelled: the server is stopping", code="cancelled")
+        return APIError(503, "the request was cancelled: the server is stopping", code="server_shutting_down")
     if isinstance(err, ValueError):
         return APIError(400, str(err), code="invalid_value")
     log.error("generation failed", exc_info=err)
@@ -76,7 +76,8 @@ class Exchange:
         return self.reply.full([(output.text, output.finish_reason) for output in self.job.outputs], self.usage())
 
     async def events(self, first: tuple[int, str] | None, include_usage: bool) -> AsyncIterator[str]:
-        """The answer as OpenAI stream chunks, ending with `[DONE]`; an error after the headers is an event."""
+        """The answer as OpenAI stream chunks, ending with `[DONE]`; an error after the headers is an event
+        before it (when the client is still there to read it)."""
         opened: set[int] = set()
 
         def chunk(index: int, text: str | None = None, finish_reason: str | None = None) -> str:
@@ -92,14 +93,14 @@ class Exchange:
                 yield chunk(index, finish_reason=output.finish_reason)
             if include_usage:
                 yield sse(self.reply.usage_chunk(self.usage()))
-            yield sse("[DONE]")
-        except Cancelled:
-            return
         except Exception as err:
+            if self.client_left:
+                return  # no one is there to read an error
             error = failure(err)
             yield sse(error_body(error.status, error.message, error.param, error.code))
         finally:
             self.close()
+        yield sse("[DONE]")
 
     async def _next_or_fail(self, step: Awaitable[T]) -> T:
         try:

@@ -6,6 +6,9 @@ next step boundary, and a finished or cancelled one leaves at once. The worker h
 text delta to the waiting request's coroutine as soon as it is accepted, so the event loop
 never waits for the model. A job cancelled while it waits leaves the queue at once; one
 cancelled while it runs leaves the batch before the next step.
+
+A stopping server drains: it takes no new jobs, drops the waiting ones, and gives the running
+ones a bounded time to finish before cancelling them.
 """
 
 from __future__ import annotations
@@ -31,6 +34,14 @@ class QueueFull(Exception):
 
     def __init__(self, retry_after: int) -> None:
         super().__init__(f"the queue is full; retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+class Stopping(QueueFull):
+    """The server is stopping and takes no new jobs; `retry_after` is when its drain ends."""
+
+    def __init__(self, retry_after: int) -> None:
+        Exception.__init__(self, f"the server is stopping; retry after {retry_after} s")
         self.retry_after = retry_after
 
 
@@ -110,6 +121,8 @@ class Scheduler:
         self._leaving: list[Job] = []
         self._cond = threading.Condition()
         self._closed = False
+        self._stopping_until: float | None = None
+        """When the drain ends (monotonic time), once the server is stopping; from then on no job is taken."""
         self._service_s = 5.0  # running mean of a job's run time, for Retry-After
         self.completed = 0
         self._thread = threading.Thread(target=self._work, name="lookahead-generation", daemon=True)
@@ -127,13 +140,19 @@ class Scheduler:
     def busy(self) -> bool:
         return bool(self._running)
 
+    @property
+    def stopping(self) -> bool:
+        return self._stopping_until is not None
+
     def start(self) -> None:
         self._thread.start()
 
     def submit(self, generations: Sequence[Generation], label: str) -> Job:
-        """Queue one request's generations; QueueFull at the limit (or when closing)."""
+        """Queue one request's generations; QueueFull at the limit, Stopping once the server stops."""
         with self._cond:
-            if self._closed or len(self._waiting) >= self.max_waiting:
+            if self._stopping_until is not None:
+                raise Stopping(max(1, math.ceil(self._stopping_until - time.monotonic())))
+            if len(self._waiting) >= self.max_waiting:
                 ahead = len(self._waiting) + 1
                 raise QueueFull(max(1, math.ceil(self._service_s * ahead / self.batch.max_batch)))
             if len(generations) > self.batch.max_batch:
@@ -145,16 +164,32 @@ class Scheduler:
 
     def close(self, timeout: float = 30.0) -> None:
         """Refuse new jobs, cancel the waiting and running ones and wait for the worker."""
+        self._stop_admitting(0.0)
         with self._cond:
             self._closed = True
-            dropped = list(self._waiting)
-            self._waiting.clear()
             self._leaving.extend(set(self._running.values()))
             self._cond.notify_all()
-        for job in dropped:
-            self._dropped(job)
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    async def drain(self, timeout: float, interrupted: Callable[[], bool] = lambda: False) -> None:
+        """Stop: refuse new jobs, drop the waiting ones, give the running ones up to `timeout` seconds
+        (less if `interrupted()` turns true), then cancel what still runs and stop the worker."""
+        deadline = self._stop_admitting(timeout)
+        while self._running and time.monotonic() < deadline and not interrupted():
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(self.close)
+
+    def _stop_admitting(self, grace: float) -> float:
+        """Refuse jobs from now on and drop the waiting ones; the end of the drain (kept if one began)."""
+        with self._cond:
+            if self._stopping_until is None:
+                self._stopping_until = time.monotonic() + grace
+            dropped = list(self._waiting)
+            self._waiting.clear()
+        for job in dropped:
+            self._dropped(job)
+        return self._stopping_until
 
     def _cancel(self, job: Job) -> None:
         with self._cond:
