@@ -93,6 +93,19 @@ def test_models_health_and_metrics(client, url):
         assert name in response.text
 
 
+def test_openapi_document_declares_what_the_server_sends(url):
+    document = httpx.get(f"{url}/openapi.json").json()
+    assert "422" not in json.dumps(document["paths"]) and "HTTPValidationError" not in document["components"]["schemas"]
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = document["paths"][path]["post"]["responses"]
+        assert set(responses) == {"200", "400", "401", "404", "413", "500", "503"}
+        assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
+        assert responses["400"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorBody"}
+    assert set(document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    assert set(document["paths"]["/health"]["get"]["responses"]) == {"200", "500", "503"}
+    assert document["components"]["schemas"]["ChatRequest"]["properties"]["model"]["enum"] == [MODEL]
+
+
 def test_completion_equals_engine_and_model_generate(client, engine, default_model):
     model, tokenizer = default_model
     prompt = "def fibonacci(n):"
@@ -490,6 +503,7 @@ BAD_REQUESTS = {
         400,
         "stop[0]",
     ),
+    "empty stop sequence": ("/v1/completions", {**GOOD_COMPLETION, "stop": ["x", ""]}, 400, "stop[1]"),
     "seed of 2**64": ("/v1/completions", {**GOOD_COMPLETION, "seed": 2**64}, 400, "seed"),
     "negative seed": ("/v1/completions", {**GOOD_COMPLETION, "seed": -1}, 400, "seed"),
     "stream_options without stream": (

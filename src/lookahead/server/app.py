@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..decoding.engine import LookaheadEngine
-from . import errors
+from . import errors, openapi
 from .errors import APIError
 from .exchange import Exchange
 from .generation import Plan, plan_chat, plan_completion
@@ -83,6 +83,7 @@ def create_app(engine: LookaheadEngine, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="Lookahead", lifespan=lifespan, docs_url=None, redoc_url=None)
     errors.install(app)
+    openapi.install(app, settings.model_name)
     app.add_middleware(LimitBody, limit=settings.max_body_bytes)
     if settings.api_key:
         app.add_middleware(RequireApiKey, key=settings.api_key)
@@ -116,7 +117,7 @@ def create_app(engine: LookaheadEngine, settings: ServerSettings) -> FastAPI:
         events = exchange.events(first, body.include_usage)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    @app.get("/health")
+    @app.get("/health", response_model=None, responses=openapi.HEALTH)
     async def health() -> JSONResponse:
         """200 while serving; 503 once stopping, so that a load balancer sends no more requests."""
         body = {
@@ -129,26 +130,26 @@ def create_app(engine: LookaheadEngine, settings: ServerSettings) -> FastAPI:
         }
         return JSONResponse(body, 503 if scheduler.stopping else 200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=openapi.PROMETHEUS)
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=None, responses=openapi.MODEL_LIST)
     async def models() -> dict:
         return {"object": "list", "data": [card]}
 
-    @app.get("/v1/models/{name:path}")
+    @app.get("/v1/models/{name:path}", response_model=None, responses=openapi.MODEL_CARD)
     async def model(name: str) -> dict:
         check_model(name)
         return card
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=openapi.COMPLETIONS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         plan = plan_completion(engine, body)
         return await answer(request, body, plan, Reply(chat=False, model=settings.model_name), "completions")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=openapi.CHAT)
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
         check_model(body.model)
         plan = plan_chat(engine, body)

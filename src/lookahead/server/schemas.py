@@ -16,21 +16,22 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
 
 SEED_LIMIT = 2**64
 """Seeds are 64-bit unsigned, as torch's generator keeps them."""
 
 
-def _neutral(*allowed: Any, why: str):
-    """A validator that lets only the given settings through (None always: the field was left out)."""
+def _neutral(kind: Any, *allowed: Any, why: str) -> Any:
+    """`kind` or None, of which only the given settings pass, and the OpenAPI document says so."""
 
     def check(value: Any) -> Any:
         if value is not None and value not in allowed:
             raise ValueError(f"not supported by this server ({why})")
         return value
 
-    return AfterValidator(check)
+    only = WithJsonSchema({"anyOf": [{"enum": list(allowed)}, {"type": "null"}]})
+    return Annotated[kind | None, AfterValidator(check), only]
 
 
 def unicode_text(value: Any) -> Any:
@@ -46,6 +47,8 @@ def unicode_text(value: Any) -> Any:
 
 
 Text = Annotated[str, AfterValidator(unicode_text)]
+StopText = Annotated[str, Field(min_length=1), AfterValidator(unicode_text)]
+"""A stop sequence: text that is not empty."""
 
 
 class _Strict(BaseModel):
@@ -64,24 +67,19 @@ class GenerationRequest(_Strict):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
-    stop: list[Text] | None = None
+    stop: Annotated[list[StopText], Field(max_length=4)] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1, le=16)
-    presence_penalty: Annotated[float | None, _neutral(0, why="penalties are not applied")] = None
-    frequency_penalty: Annotated[float | None, _neutral(0, why="penalties are not applied")] = None
-    logit_bias: Annotated[dict[str, float] | None, _neutral({}, why="logit bias is not applied")] = None
+    presence_penalty: _neutral(float, 0, why="penalties are not applied") = None
+    frequency_penalty: _neutral(float, 0, why="penalties are not applied") = None
+    logit_bias: _neutral(dict[str, float], {}, why="logit bias is not applied") = None
 
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_list(cls, value: Any) -> Any:
-        value = [value] if isinstance(value, str) else value
-        if isinstance(value, list):
-            if len(value) > 4:
-                raise ValueError("at most 4 stop sequences")
-            if any(isinstance(s, str) and not s for s in value):
-                raise ValueError("a stop sequence must not be empty")
-        return value
+        """OpenAI's one stop string is a list of one."""
+        return [value] if isinstance(value, str) else value
 
     @field_validator("stream_options")
     @classmethod
@@ -110,10 +108,10 @@ def _one_prompt(value: Any) -> Any:
 
 class CompletionRequest(GenerationRequest):
     prompt: Annotated[str | list[int], Field(union_mode="left_to_right")]
-    echo: Annotated[bool | None, _neutral(False, why="the prompt is not echoed")] = None
-    best_of: Annotated[int | None, _neutral(1, why="one candidate per request")] = None
-    logprobs: Annotated[int | None, _neutral(0, why="log-probabilities are not returned")] = None
-    suffix: Annotated[str | None, _neutral("", why="insertion is not supported")] = None
+    echo: _neutral(bool, False, why="the prompt is not echoed") = None
+    best_of: _neutral(int, 1, why="one candidate per request") = None
+    logprobs: _neutral(int, 0, why="log-probabilities are not returned") = None
+    suffix: _neutral(str, "", why="insertion is not supported") = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -147,8 +145,8 @@ class Message(_Strict):
 class ChatRequest(GenerationRequest):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: Annotated[bool | None, _neutral(False, why="log-probabilities are not returned")] = None
-    tools: Annotated[list | None, _neutral([], why="tool calls are not supported")] = None
+    logprobs: _neutral(bool, False, why="log-probabilities are not returned") = None
+    tools: _neutral(list, [], why="tool calls are not supported") = None
 
     @property
     def token_limit(self) -> int | None:
