@@ -106,8 +106,17 @@ def _one_prompt(value: Any) -> Any:
     raise ValueError("must be a string or a list of token ids")
 
 
+_PROMPT_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+    ]
+}
+"""What the document says a prompt is: text or token ids, not empty (an empty one is a 400)."""
+
+
 class CompletionRequest(GenerationRequest):
-    prompt: Annotated[str | list[int], Field(union_mode="left_to_right")]
+    prompt: Annotated[str | list[int], Field(union_mode="left_to_right"), WithJsonSchema(_PROMPT_SCHEMA)]
     echo: _neutral(bool, False, why="the prompt is not echoed") = None
     best_of: _neutral(int, 1, why="one candidate per request") = None
     logprobs: _neutral(int, 0, why="log-probabilities are not returned") = None
