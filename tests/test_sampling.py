@@ -112,7 +112,8 @@ def test_greedy_with_repetition_penalty_sees_each_nodes_own_prefix():
 @pytest.mark.parametrize(
     ("option", "value"),
     [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("min_p", 1.5), ("min_p", -0.1),
-     ("repetition_penalty", 0.0), ("temperature", float("nan")), ("seed", "seven")],
+     ("repetition_penalty", 0.0), ("temperature", float("nan")), ("seed", "seven"), ("seed", 2**64), ("seed", -1),
+     ("seed", True), ("top_k", True)],
 )  # fmt: skip
 def test_bad_sampling_settings_name_the_argument(option, value):
     with pytest.raises(ValueError, match=option):

@@ -51,6 +51,11 @@ def test_build_reports_user_mistakes(offline_model, tmp_path, capsys):
     (tmp_path / "junk").write_bytes(b"not a trie")
     assert main(["trie", "inspect", str(tmp_path / "junk")]) == 2
     assert "not a lookahead trie file" in capsys.readouterr().err
+    notes = tmp_path / "notes.txt"
+    notes.write_text("some text\n")
+    for output in (tmp_path, tmp_path / "no-such-dir" / "t"):
+        assert main(["trie", "build", str(notes), "-o", str(output)]) == 2
+        assert "not a file name in an existing directory" in capsys.readouterr().err
 
 
 def test_engine_starts_warm_from_a_built_file(offline_model, tmp_path):

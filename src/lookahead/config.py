@@ -11,6 +11,8 @@ DEFAULT_TRIE_MAX_NODES = 1_000_000
 """About 200 MB: `python -m lookahead.bench.triebench` measures under 200 bytes a node."""
 DEFAULT_TRIE_HALF_LIFE = 200_000.0
 """Tokens after which an old sighting of an n-gram counts half as much as a new one (budget / 5)."""
+SEED_LIMIT = 2**64
+"""Seeds are torch generator seeds, unsigned 64-bit: the library and the server accept [0, SEED_LIMIT)."""
 MAX_NGRAM_LENGTH = 256
 """Longest n-gram a trie may store. A prompt of n tokens adds up to n times this many nodes,
 so a config or a trie file must not ask for a million; the default is 36 (match 4 + branch 32)."""
@@ -44,7 +46,7 @@ class LookaheadConfig:
     def __post_init__(self) -> None:
         for name in ("decoding_length", "branch_length", "match_length"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"LookaheadConfig.{name} must be a positive integer, got {value!r}")
         if self.policy not in ("adaptive", "fixed"):
             raise ValueError(f"LookaheadConfig.policy must be 'adaptive' or 'fixed', got {self.policy!r}")

@@ -86,6 +86,9 @@ def build(args: argparse.Namespace) -> int:
     for path in paths:
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such file")
+    output = Path(args.output)
+    if output.is_dir() or not output.parent.is_dir():  # known before the model loads and the corpus is read
+        raise ValueError(f"--output {output}: not a file name in an existing directory")
     trie = TokenTrie.load(args.into, max_nodes=args.max_nodes) if args.into else None  # before torch and the model
     from . import load_model
     from .models import eos_ids
@@ -99,7 +102,10 @@ def build(args: argparse.Namespace) -> int:
     with Progress("[progress.description]{task.description}", *columns, transient=True) as bar:
         task = bar.add_task("inserting", total=sum(p.stat().st_size for p in paths))
         tokens = build_trie(trie, tokenizer, paths, lambda n: bar.advance(task, n))
-    trie.save(args.output)
+    try:
+        trie.save(output)
+    except OSError as err:
+        raise ValueError(f"--output {output}: cannot write the trie file ({err.strerror or err})") from err
     stats = trie.stats()
     print(f"{args.output}: {tokens} tokens inserted, {stats['shared_nodes']} nodes, {stats['evicted_nodes']} evicted")
     return 0

@@ -9,7 +9,6 @@ per emitted token, so a seeded request emits the same tokens with or without dra
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +22,8 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+
+from ..config import SEED_LIMIT, is_finite_number, is_int
 
 
 @dataclass(frozen=True)
@@ -41,18 +42,18 @@ class SamplingParams:
         def bad(name: str, rule: str) -> ValueError:
             return ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
 
-        if not _is_number(self.temperature) or self.temperature < 0:
+        if not is_finite_number(self.temperature) or self.temperature < 0:
             raise bad("temperature", "a number >= 0")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise bad("top_k", "an integer >= 0")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_finite_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "in (0, 1]")
-        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+        if not is_finite_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", "in [0, 1]")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+        if not is_finite_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise bad("repetition_penalty", "a number > 0")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise bad("seed", "an integer or None")
+        if self.seed is not None and not (is_int(self.seed) and 0 <= self.seed < SEED_LIMIT):
+            raise bad("seed", "an integer in [0, 2**64) or None")
 
     @property
     def sampled(self) -> bool:
@@ -95,10 +96,6 @@ def request_options(
     if stop:
         options["stop"] = stop
     return options
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class TokenChooser:

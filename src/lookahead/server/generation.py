@@ -11,11 +11,12 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from ..config import SEED_LIMIT
 from ..decoding.engine import LookaheadEngine
 from ..decoding.generation import Generation
 from ..decoding.sampling import request_options
 from .errors import APIError
-from .schemas import SEED_LIMIT, ChatRequest, CompletionRequest, GenerationRequest
+from .schemas import ChatRequest, CompletionRequest, GenerationRequest
 
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 FALLBACK_CONTEXT = 2048  # for a model that does not state its context length

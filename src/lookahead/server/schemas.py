@@ -18,8 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
 
-SEED_LIMIT = 2**64
-"""Seeds are 64-bit unsigned, as torch's generator keeps them."""
+from ..config import SEED_LIMIT
 
 
 def _neutral(kind: Any, *allowed: Any, why: str) -> Any:
