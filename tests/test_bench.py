@@ -93,3 +93,24 @@ def test_summary_keeps_data_sets_with_the_same_prompt_keys_apart():
     assert rows[("code-edit", "lookahead")]["speedup"] == 3.0
     assert rows[("code-edit", "lookahead")]["exact_match"] == 0.0
     assert rows[("all", "lookahead")]["speedup"] == 2.5 and rows[("all", "lookahead")]["exact_match"] == 0.5
+
+
+@pytest.mark.slow
+def test_batch_benchmark_on_a_few_prompts(tmp_path):
+    from lookahead.bench.batchbench import main as batch_main
+
+    args = ["--prompts", "3", "--max-new-tokens", "6", "--streams", "1,2", "--out", str(tmp_path)]
+    assert batch_main(args) == 0
+    result = json.loads((tmp_path / "batch.json").read_text())
+    methods = {(row["streams"], row["method"]) for row in result["results"]}
+    assert methods == {(1, "lookahead, one at a time")} | {
+        (streams, method)
+        for streams in (1, 2)
+        for method in ("batched lookahead", "batched plain", "transformers generate, static batches")
+    }
+    for row in result["results"]:
+        assert row["exact_match"] == 1.0 and row["requests"] == 3 and 0 < row["new_tokens"] <= 18
+        assert row["tokens_per_s"] > 0
+    assert "| 2 | batched lookahead |" in (tmp_path / "batch.md").read_text()
+    for plot in ("throughput.png", "latency.png"):
+        assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

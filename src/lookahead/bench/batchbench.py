@@ -68,21 +68,27 @@ def run_batched(engine: LookaheadEngine, prompts: list[list[int]], streams: int,
     wall = time.perf_counter() - clock
     outputs = [generation.output() for generation in generations]
     keys = [id(generation) for generation in generations]
+    decode_s = wall - sum(out.stats.prefill_s for out in outputs)  # prefills run one after another
+    latencies = [ended[k] - joined[k] for k in keys]
+    row = _summary(outputs, wall, decode_s, latencies, [first[k] - joined[k] for k in keys])
+    return outputs, {**row, "peak_rss_mb": round(peak_rss)}
+
+
+def _summary(outputs: list, wall: float, decode_s: float, latencies: list[float], ttfts: list[float]) -> dict:
+    """The figures of one run of the engine: throughput with and without prefill, latencies, tokens per step."""
     tokens = sum(len(out.token_ids) for out in outputs)
     steps = sum(out.stats.steps for out in outputs)
-    decode_s = wall - sum(out.stats.prefill_s for out in outputs)  # prefills run one after another
-    return outputs, {
-        "requests": len(prompts),
+    return {
+        "requests": len(outputs),
         "new_tokens": tokens,
         "seconds": round(wall, 2),
         "tokens_per_s": round(tokens / wall, 2),
-        "decode_tokens_per_s": round((tokens - len(prompts)) / decode_s, 2),
-        "p50_latency_s": round(statistics.median(ended[k] - joined[k] for k in keys), 2),
-        "p99_latency_s": round(_percentile([ended[k] - joined[k] for k in keys], 0.99), 2),
-        "p50_ttft_s": round(statistics.median(first[k] - joined[k] for k in keys), 3),
+        "decode_tokens_per_s": round((tokens - len(outputs)) / decode_s, 2),
+        "p50_latency_s": round(statistics.median(latencies), 2),
+        "p99_latency_s": round(_percentile(latencies, 0.99), 2),
+        "p50_ttft_s": round(statistics.median(ttfts), 3),
         "tokens_per_step": round(tokens / steps, 2) if steps else None,
         "draft_tokens_per_step": round(sum(out.stats.draft_tokens for out in outputs) / steps, 2) if steps else None,
-        "peak_rss_mb": round(peak_rss),
     }
 
 
@@ -100,20 +106,8 @@ def run_one_at_a_time(engine: LookaheadEngine, prompts: list[list[int]], new_tok
         latencies.append(time.perf_counter() - start)
         ttfts.append((seen_first or time.perf_counter()) - start)
     wall = time.perf_counter() - clock
-    tokens = sum(len(out.token_ids) for out in outputs)
-    steps = sum(out.stats.steps for out in outputs)
     decode_s = sum(out.stats.seconds - out.stats.prefill_s for out in outputs)
-    return outputs, {
-        "requests": len(prompts),
-        "new_tokens": tokens,
-        "seconds": round(wall, 2),
-        "tokens_per_s": round(tokens / wall, 2),
-        "decode_tokens_per_s": round((tokens - len(prompts)) / decode_s, 2),
-        "p50_latency_s": round(statistics.median(latencies), 2),
-        "p99_latency_s": round(_percentile(latencies, 0.99), 2),
-        "p50_ttft_s": round(statistics.median(ttfts), 3),
-        "tokens_per_step": round(tokens / steps, 2),
-    }
+    return outputs, _summary(outputs, wall, decode_s, latencies, ttfts)
 
 
 def run_hf_static(model, tokenizer, prompts: list[list[int]], streams: int, new_tokens: int):
