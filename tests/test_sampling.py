@@ -123,7 +123,7 @@ def test_bad_sampling_settings_name_the_argument(option, value):
 # ---- through the engine: a tiny model with a 16-token vocabulary --------------------------------
 
 PROMPT = [3, 4, 5, 6, 7] * 3
-DRAWS = 20_000
+DRAWS = 15_000
 
 
 @pytest.fixture(scope="module")
