@@ -121,9 +121,9 @@ class CostModel:
 
     def observe(self, width: int, milliseconds: float, rows: int = 1) -> None:
         """Learn from a real step of this size; a step 5x off its prediction is an outlier (a pause), ignored."""
-        if not 0.2 < milliseconds / self.predict(width, rows) < 5:
-            return
         ratio = milliseconds / self.measured(width, rows)
+        if not 0.2 < ratio / self.factor(width, rows) < 5:
+            return
         if width == 1:
             self.scale += 0.05 * (ratio - self.scale)
         key = (rows, _bucket(width))
