@@ -10,6 +10,7 @@ TORCH_FREE = [
     "lookahead.config",
     "lookahead.drafting.ngrams",
     "lookahead.drafting.trie",
+    "lookahead.drafting.sources",
     "lookahead.drafting.tree",
     "lookahead.drafting.policy",
     "lookahead.drafting.drafter",

@@ -3,7 +3,8 @@
 Two kinds of n-grams live here. Output n-grams (what the model generated, or a corpus) are
 shared by every request and stay, under a node budget. Prompt n-grams belong to one request:
 each request gets a small private store of its own, freed whole by `finish`, so a long prompt
-leaves nothing behind and concurrent requests never see each other's prompts.
+leaves nothing behind and concurrent requests never see each other's prompts. Drafting reads
+both through one seam (sources.py) and pools their counts.
 
 A node's count is the number of times its n-gram was seen; child count / parent count
 estimates the chance that the child token follows, and the product along a path the chance
@@ -34,18 +35,22 @@ from ..config import (
     is_int,
 )
 from .ngrams import CORPUS, MAX_TOKEN, OUTPUT, PROMPT, NgramStore
+from .sources import DraftSource, StoreSource
 from .tree import DraftTree
 from .triefile import TrieSettings, read_trie, tokenizer_fingerprint, write_trie
 
 EdgeChance = Callable[[int, float, bool], float]
 """Chance a draft node is accepted once its parent is, from its source flags, count ratio and depth > 1."""
 
+_Place = tuple[DraftSource, Any, int]
+"""A source, a handle in it and the handle's count: one of the places where a pooled draft node was seen."""
+
 KEEP_AFTER_EVICTION = 0.9
 """An eviction frees a tenth of the budget, so it runs rarely and its cost is spread thin."""
 SCAN_CHILDREN = 16
-"""Children looked at per expanded node, most recently seen first: a node of a large trie can
-have thousands, and scanning them all made one retrieval take tens of milliseconds. On the
-recorded benchmark prompts 8, 16, 48 or all give the same tokens per step (within 0.1 %)."""
+"""Children looked at per expanded node and source, most recently seen first: a node of a large
+trie can have thousands, and scanning them all made one retrieval take tens of milliseconds. On
+the recorded benchmark prompts 8, 16, 48 or all give the same tokens per step (within 0.1 %)."""
 _RESCALE_AT = 64.0
 """Weights grow as 2**(age / half_life); past 2**64 they are scaled back down together."""
 _MOST_PER_SIGHTING = 2.0 ** (_RESCALE_AT + 1)
@@ -78,14 +83,6 @@ class _Feed:
             if token in boundary_ids:
                 nodes = []
         self.open_nodes = nodes
-
-
-def _source_flags(nodes: list[tuple[NgramStore, int]]) -> int:
-    """Where a pooled draft node was seen: the OR of its rows' flags in every store."""
-    flags = 0
-    for store, node in nodes:
-        flags |= store.source[node]
-    return flags
 
 
 def _boundary_set(boundary_ids: Iterable[int]) -> frozenset[int]:
@@ -252,82 +249,76 @@ class TokenTrie:
         adaptive policy), and listed in that order with those chances, so every prefix of
         the tree is a tree. At most `budget` nodes, `max_depth` deep; with `branching` off,
         a single path (for models that cannot take a tree mask). The work done is bounded by
-        the budget times SCAN_CHILDREN, whatever the trie's size.
+        the budget times SCAN_CHILDREN per source, whatever the trie's size.
         """
         if budget < 1 or max_depth < 1 or not context:
             return DraftTree()
         with self._lock:
-            stores = [self._shared]
+            sources: list[DraftSource] = [StoreSource(self._shared)]
             if request is not None and request in self._prompts:
-                stores.append(self._prompts[request])
-            start = self._match(context, stores, match_length)
+                sources.append(StoreSource(self._prompts[request]))
+            start = self._match(context, sources, match_length)
             if start is None:
                 return DraftTree()
             return self._best_first(start, budget, max_depth, branching, min_score, chance)
 
     @staticmethod
-    def _match(
-        context: Sequence[int], sources: list[NgramStore], match_length: int
-    ) -> list[tuple[NgramStore, int]] | None:
-        """Nodes of the longest context tail (≤ match_length) that some source continues."""
+    def _match(context: Sequence[int], sources: list[DraftSource], match_length: int) -> list[_Place] | None:
+        """Places of the longest context tail (≤ match_length) that some source continues, with their counts."""
         for length in range(min(match_length, len(context)), 0, -1):
             tail = context[-length:]
             found = []
-            for store in sources:
-                node = store.find(tail)
-                if node is not None and store.first[node]:
-                    found.append((store, node))
+            for source in sources:
+                handle = source.match(tail)
+                if handle is not None:
+                    found.append((source, handle, source.count(handle)))
             if found:
                 return found
         return None
 
     @staticmethod
     def _best_first(
-        start: list[tuple[NgramStore, int]], budget: int, max_depth: int, branching: bool, min_score: float,
-        chance: EdgeChance | None,
-    ) -> DraftTree:  # fmt: skip
+        start: list[_Place], budget: int, max_depth: int, branching: bool, min_score: float, chance: EdgeChance | None
+    ) -> DraftTree:
         tokens: list[int] = []
         parents: list[int] = []
         ratios: list[float] = []
         sources: list[int] = []
         chances: list[float] = []
-        # heap entries: (-path chance, tie-break, token, parent block index, depth, count ratio, flags, store nodes)
-        heap: list[tuple[float, int, int, int, int, float, int, list[tuple[NgramStore, int]]]] = []
+        # heap entries: (-path chance, tie-break, token, parent block index, depth, count ratio, flags, places)
+        heap: list[tuple[float, int, int, int, int, float, int, list[_Place]]] = []
         counter = 0
 
-        def push_children(nodes: list[tuple[NgramStore, int]], parent: int, path_chance: float, depth: int) -> None:
+        def push_children(places: list[_Place], parent: int, path_chance: float, depth: int) -> None:
             nonlocal counter
-            total = sum(store.count[node] for store, node in nodes)
-            pooled: dict[int, list[tuple[NgramStore, int]]] = {}
+            total = sum(count for _, _, count in places)
+            pooled: dict[int, list[_Place]] = {}
             weight: dict[int, int] = {}
-            for store, node in nodes:
-                counts, ids, following = store.count, store.token, store.next
-                child, looked = store.first[node], 0
-                while child and looked < SCAN_CHILDREN:
-                    token = ids[child]
-                    pooled.setdefault(token, []).append((store, child))
-                    weight[token] = weight.get(token, 0) + counts[child]
-                    child, looked = following[child], looked + 1
+            flags: dict[int, int] = {}
+            for source, handle, _ in places:
+                for token, count, flag, child in source.children(handle, SCAN_CHILDREN):
+                    pooled.setdefault(token, []).append((source, child, count))
+                    weight[token] = weight.get(token, 0) + count
+                    flags[token] = flags.get(token, 0) | flag
             keep = budget - len(tokens) if branching else 1
             for token in heapq.nlargest(keep, weight, key=weight.__getitem__):
                 ratio = weight[token] / total
-                flags = _source_flags(pooled[token])
-                child_chance = path_chance * (ratio if chance is None else chance(flags, ratio, parent > 0))
+                child_chance = path_chance * (ratio if chance is None else chance(flags[token], ratio, parent > 0))
                 if child_chance > min_score:
                     counter += 1
-                    entry = (-child_chance, counter, token, parent, depth, ratio, flags, pooled[token])
+                    entry = (-child_chance, counter, token, parent, depth, ratio, flags[token], pooled[token])
                     heapq.heappush(heap, entry)
 
         push_children(start, 0, 1.0, 1)
         while heap and len(tokens) < budget:
-            neg_chance, _, token, parent, depth, ratio, flags, nodes = heapq.heappop(heap)
+            neg_chance, _, token, parent, depth, ratio, flag, places = heapq.heappop(heap)
             tokens.append(token)
             parents.append(parent)
             ratios.append(ratio)
-            sources.append(flags)
+            sources.append(flag)
             chances.append(-neg_chance)
             if depth < max_depth:
-                push_children(nodes, len(tokens), -neg_chance, depth + 1)
+                push_children(places, len(tokens), -neg_chance, depth + 1)
         return DraftTree(tokens, parents, ratios, sources, chances)
 
     # ---- introspection ----------------------------------------------------------------
