@@ -11,6 +11,7 @@ TORCH_FREE = [
     "lookahead.drafting.ngrams",
     "lookahead.drafting.trie",
     "lookahead.drafting.sources",
+    "lookahead.drafting.prompt_index",
     "lookahead.drafting.tree",
     "lookahead.drafting.policy",
     "lookahead.drafting.drafter",

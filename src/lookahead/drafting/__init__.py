@@ -5,6 +5,7 @@ the trie file can be used, tested and replayed without a model:
 
 - ngrams.py   NgramStore: one trie of token n-grams in flat arrays, with counts and eviction
 - trie.py     TokenTrie: the shared output index plus each live request's prompt store
+- prompt_index.py  PromptIndex: one prompt and its suffix array, read as a trie of its n-grams
 - sources.py  DraftSource: what retrieval asks of each place where n-grams are kept
 - tree.py     DraftTree: the candidate continuations of one step (tokens, parents, ratios, sources)
 - policy.py   CostModel, Calibration, DraftPolicy: which nodes are worth their cost
