@@ -83,7 +83,7 @@ def test_released_prompts_leave_nothing_behind(outputs, prompt, generated):
         trie.observe(i, tokens)
     before = _ngrams(trie._shared)
     trie.insert(prompt, request="r")
-    assert trie.stats()["prompt_nodes"] > 0
+    assert trie.stats()["prompt_tokens"] == len(prompt)
     trie.observe("r", generated)
     trie.finish("r")
     reference = TokenTrie(ngram_length=5, max_nodes=None)
@@ -91,7 +91,7 @@ def test_released_prompts_leave_nothing_behind(outputs, prompt, generated):
         reference.observe(i, tokens)
     assert _ngrams(trie._shared) == _ngrams(reference._shared)  # only what was generated stayed
     assert set(before) <= set(_ngrams(trie._shared))
-    assert trie.stats()["prompt_nodes"] == 0 and trie.stats()["live_requests"] == 0
+    assert trie.stats()["prompt_tokens"] == 0 and trie.stats()["live_requests"] == 0
 
 
 def test_a_long_prompt_leaves_nothing_behind():
@@ -100,7 +100,7 @@ def test_a_long_prompt_leaves_nothing_behind():
     trie.observe("old", [1, 2, 3])
     before = trie.stats()
     trie.insert(rng.integers(0, 49_000, 4000).tolist(), request="r")
-    assert trie.stats()["prompt_nodes"] > 4000
+    assert trie.stats()["prompt_tokens"] == 4000 and trie.stats()["prompt_bytes"] > 0
     trie.finish("r")
     assert trie.stats() == before
 

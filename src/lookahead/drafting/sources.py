@@ -1,10 +1,9 @@
-"""The seam between drafting and where n-grams are kept: the shared store, a request's prompt.
+"""The seam between drafting and where n-grams are kept: the shared store, a request's prompt index.
 
 `TokenTrie.retrieve` pools the counts of every source that continues the context, so it needs
 of each only three things: the place of a context tail, the count at a place, and the next
 tokens below a place with their counts and source flags. A place ("handle") means something
-to its source only: a node id in an NgramStore, say, so a source kept in another shape (a
-prompt indexed by position) plugs in without another copy of the pooling loop.
+to its source only: a node id in the shared NgramStore, a suffix range in a PromptIndex.
 """
 
 from __future__ import annotations

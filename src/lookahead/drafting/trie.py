@@ -2,9 +2,10 @@
 
 Two kinds of n-grams live here. Output n-grams (what the model generated, or a corpus) are
 shared by every request and stay, under a node budget. Prompt n-grams belong to one request:
-each request gets a small private store of its own, freed whole by `finish`, so a long prompt
-leaves nothing behind and concurrent requests never see each other's prompts. Drafting reads
-both through one seam (sources.py) and pools their counts.
+its prompt is kept as a PromptIndex (the tokens and their suffix array, 8 bytes a token, no
+node per n-gram), freed whole by `finish`, so a long prompt leaves nothing behind and
+concurrent requests never see each other's prompts. Drafting reads both through one seam
+(sources.py) and pools their counts.
 
 A node's count is the number of times its n-gram was seen; child count / parent count
 estimates the chance that the child token follows, and the product along a path the chance
@@ -34,7 +35,8 @@ from ..config import (
     is_finite_number,
     is_int,
 )
-from .ngrams import CORPUS, MAX_TOKEN, OUTPUT, PROMPT, NgramStore
+from .ngrams import CORPUS, MAX_TOKEN, OUTPUT, NgramStore
+from .prompt_index import PromptIndex
 from .sources import DraftSource, StoreSource
 from .tree import DraftTree
 from .triefile import TrieSettings, read_trie, tokenizer_fingerprint, write_trie
@@ -48,9 +50,10 @@ _Place = tuple[DraftSource, Any, int]
 KEEP_AFTER_EVICTION = 0.9
 """An eviction frees a tenth of the budget, so it runs rarely and its cost is spread thin."""
 SCAN_CHILDREN = 16
-"""Children looked at per expanded node and source, most recently seen first: a node of a large
-trie can have thousands, and scanning them all made one retrieval take tens of milliseconds. On
-the recorded benchmark prompts 8, 16, 48 or all give the same tokens per step (within 0.1 %)."""
+"""Children looked at per expanded node and source (the shared store's most recently seen, a
+prompt index's most frequent; see their `children`): a node of a large trie can have
+thousands, and scanning them all made one retrieval take tens of milliseconds. On the recorded
+benchmark prompts 8, 16, 48 or all give the same tokens per step (within 0.1 %)."""
 _RESCALE_AT = 64.0
 """Weights grow as 2**(age / half_life); past 2**64 they are scaled back down together."""
 _MOST_PER_SIGHTING = 2.0 ** (_RESCALE_AT + 1)
@@ -99,7 +102,7 @@ def _check_tokens(tokens: Sequence[int]) -> None:
 
 
 class TokenTrie:
-    """The shared n-gram index of an engine, plus one private prompt store per live request.
+    """The shared n-gram index of an engine, plus one private prompt index per live request.
 
     Eviction rule: counts with exponential decay. Each time an n-gram is seen its weight grows
     by 2**(t / half_life), t being the number of tokens learned so far, and when the index
@@ -134,7 +137,7 @@ class TokenTrie:
         self._age = 0.0  # tokens learned since the weights were last rescaled
         self._learned = 0
         self._evicted = 0
-        self._prompts: dict[Hashable, NgramStore] = {}
+        self._prompts: dict[Hashable, PromptIndex] = {}
         self._feeds: dict[Hashable, _Feed] = {}
         self._lock = threading.RLock()
 
@@ -144,7 +147,7 @@ class TokenTrie:
         return cls(config.ngram_length, boundary_ids, config.trie_max_nodes, config.trie_half_life)
 
     def __len__(self) -> int:
-        """Nodes in the shared index (prompt stores of live requests not counted)."""
+        """Nodes in the shared index (the prompts of live requests are not nodes)."""
         return len(self._shared)
 
     def bind_tokenizer(self, tokenizer: Any) -> None:
@@ -176,12 +179,17 @@ class TokenTrie:
     # ---- learning ---------------------------------------------------------------------
 
     def insert(self, tokens: Sequence[int], request: Hashable | None = None) -> None:
-        """Add every n-gram of `tokens`: to `request`'s prompt store, or shared (as corpus) if no request."""
+        """Add every n-gram of `tokens`: to `request`'s prompt index, or shared (as corpus) if no request.
+
+        A second prompt for the same request is joined to the first (no n-gram spans the two).
+        """
         _check_tokens(tokens)
         with self._lock:
             if request is not None:
-                store = self._prompts.setdefault(request, NgramStore())
-                _Feed(store, self.ngram_length, PROMPT).push(tokens, self.boundary_ids, 1.0)
+                known = self._prompts.get(request)
+                self._prompts[request] = (
+                    PromptIndex(tokens, self.ngram_length, self.boundary_ids) if known is None else known.joined(tokens)
+                )
                 return
             self._learn(_Feed(self._shared, self.ngram_length, CORPUS), tokens)
 
@@ -221,7 +229,7 @@ class TokenTrie:
             feed.open_nodes = [node for node in feed.open_nodes if tokens[node] >= 0]
 
     def finish(self, request: Hashable) -> None:
-        """Free a request's prompt n-grams and end its output feed; what it generated stays shared."""
+        """Free a request's prompt index and end its output feed; what it generated stays shared."""
         with self._lock:
             self._prompts.pop(request, None)
             self._feeds.pop(request, None)
@@ -241,22 +249,23 @@ class TokenTrie:
     ) -> DraftTree:
         """Best-first draft tree below the longest matched tail of `context`.
 
-        The prompt store of `request` and the shared index are searched together: a
+        The prompt index of `request` and the shared index are searched together: a
         candidate's ratio is its pooled count over its parent's pooled count; the product of
         ratios along a path estimates the chance the path is accepted. Nodes are taken in
         order of that chance, or of the product along the path of `chance(source flags,
         count ratio, parent is a draft node)` when the caller has learned better (the
         adaptive policy), and listed in that order with those chances, so every prefix of
         the tree is a tree. At most `budget` nodes, `max_depth` deep; with `branching` off,
-        a single path (for models that cannot take a tree mask). The work done is bounded by
-        the budget times SCAN_CHILDREN per source, whatever the trie's size.
+        a single path (for models that cannot take a tree mask). The Python work done is
+        bounded by the budget times SCAN_CHILDREN per source, whatever the trie's or the
+        prompt's size (a prompt index adds one numpy pass over a wide node's occurrences).
         """
         if budget < 1 or max_depth < 1 or not context:
             return DraftTree()
         with self._lock:
             sources: list[DraftSource] = [StoreSource(self._shared)]
             if request is not None and request in self._prompts:
-                sources.append(StoreSource(self._prompts[request]))
+                sources.append(self._prompts[request])
             start = self._match(context, sources, match_length)
             if start is None:
                 return DraftTree()
@@ -332,7 +341,8 @@ class TokenTrie:
                 "tokens_learned": self._learned,
                 "evicted_nodes": self._evicted,
                 "live_requests": len(self._prompts),
-                "prompt_nodes": sum(len(t) for t in self._prompts.values()),
+                "prompt_tokens": sum(len(index) for index in self._prompts.values()),
+                "prompt_bytes": sum(index.nbytes() for index in self._prompts.values()),
             }
 
     def sources(self) -> dict[str, int]:
