@@ -77,7 +77,7 @@ def test_a_limited_scan_keeps_the_most_frequent_children(tokens, limit):
 
 
 def test_joined_prompts_share_counts_but_no_ngram_spans_the_gap():
-    index = PromptIndex([1, 2, 3], 6).joined([1, 2, 4])
+    index = PromptIndex([1, 2, 3], 6).joined(PromptIndex([1, 2, 4], 6))
     handle = index.match([1, 2])
     assert index.count(handle) == 2
     assert sorted((token, count) for token, count, _ in _children(index, handle)) == [(3, 1), (4, 1)]

@@ -4,7 +4,7 @@ Nothing here imports torch or transformers (a test checks it), so the trie, the 
 the trie file can be used, tested and replayed without a model:
 
 - ngrams.py   NgramStore: one trie of token n-grams in flat arrays, with counts and eviction
-- trie.py     TokenTrie: the shared output index plus each live request's prompt store
+- trie.py     TokenTrie: the shared output index plus each live request's prompt index
 - prompt_index.py  PromptIndex: one prompt and its suffix array, read as a trie of its n-grams
 - sources.py  DraftSource: what retrieval asks of each place where n-grams are kept
 - tree.py     DraftTree: the candidate continuations of one step (tokens, parents, ratios, sources)

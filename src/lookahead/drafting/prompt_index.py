@@ -53,9 +53,9 @@ class PromptIndex:
         """Memory held for the index: the two int32 arrays (the rest is a constant few hundred bytes)."""
         return self._tokens.nbytes + self._suffixes.nbytes
 
-    def joined(self, tokens: Sequence[int]) -> PromptIndex:
-        """An index of this prompt and `tokens`, separated by a gap, rebuilt whole (a prompt is inserted once)."""
-        both = np.concatenate([self._tokens, np.array([GAP], dtype=np.int32), np.asarray(tokens, dtype=np.int32)])
+    def joined(self, other: PromptIndex) -> PromptIndex:
+        """An index of this prompt and `other`'s, separated by a gap, rebuilt whole (prompts rarely come twice)."""
+        both = np.concatenate([self._tokens, np.array([GAP], dtype=np.int32), other._tokens])
         return PromptIndex(both, self._limit, self._boundary)
 
     # ---- the draft-source seam (see sources.py) ---------------------------------------

@@ -182,15 +182,16 @@ class TokenTrie:
         """Add every n-gram of `tokens`: to `request`'s prompt index, or shared (as corpus) if no request.
 
         A second prompt for the same request is joined to the first (no n-gram spans the two).
+        A prompt is indexed before the lock is taken: other requests go on drafting meanwhile.
         """
         _check_tokens(tokens)
-        with self._lock:
-            if request is not None:
+        if request is not None:
+            index = PromptIndex(tokens, self.ngram_length, self.boundary_ids)
+            with self._lock:
                 known = self._prompts.get(request)
-                self._prompts[request] = (
-                    PromptIndex(tokens, self.ngram_length, self.boundary_ids) if known is None else known.joined(tokens)
-                )
-                return
+                self._prompts[request] = index if known is None else known.joined(index)
+            return
+        with self._lock:
             self._learn(_Feed(self._shared, self.ngram_length, CORPUS), tokens)
 
     def observe(self, request: Hashable, new_tokens: Sequence[int], source: str = "output") -> None:
