@@ -62,7 +62,7 @@ class PromptIndex:
 
     def match(self, tail: Sequence[int]) -> Range | None:
         """The range of `tail` if the prompt goes on after it somewhere (a tail with a boundary never does)."""
-        if len(tail) >= self._limit or any(token in self._boundary or token < 0 for token in tail):
+        if len(tail) >= self._limit or not self._boundary.isdisjoint(tail) or min(tail, default=0) < 0:
             return None
         lo, hi = 0, len(self._tokens)
         for offset, token in enumerate(tail):
@@ -120,12 +120,13 @@ class PromptIndex:
         def following(start: int) -> int:
             return token_at[start + offset]
 
-        if lo < hi and self._sa[lo] + offset == len(token_at):  # the suffix that ends here sorts first
+        sa = self._sa
+        if lo < hi and sa[lo] + offset == len(token_at):  # the suffix that ends here sorts first
             lo += 1
-        return (
-            bisect_left(self._sa, token, lo, hi, key=following),
-            bisect_right(self._sa, token, lo, hi, key=following),
-        )
+        lo = bisect_left(sa, token, lo, hi, key=following)
+        if lo == hi or token_at[sa[lo] + offset] != token:  # absent: the usual way a match fails
+            return lo, lo
+        return lo, bisect_right(sa, token, lo + 1, hi, key=following)
 
     def _continued(self, lo: int, hi: int, length: int) -> int:
         """The first place in lo..hi whose suffix has a token (not the end, not a gap) at offset `length`.
