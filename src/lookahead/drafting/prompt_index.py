@@ -74,20 +74,20 @@ class PromptIndex:
         return lo, hi, len(tail)
 
     @staticmethod
-    def count(found: Range) -> int:
+    def count(handle: Range) -> int:
         """Occurrences of the range's string: its size."""
-        return found[1] - found[0]
+        return handle[1] - handle[0]
 
-    def children(self, parent: Range, limit: int) -> Iterator[tuple[int, int, int, Range]]:
-        """(token, count, source flags, range) of the tokens that follow `parent`'s string, most recent first.
+    def children(self, handle: Range, limit: int) -> Iterator[tuple[int, int, int, Range]]:
+        """(token, count, source flags, range) of the tokens that follow `handle`'s string, most recent first.
 
         At most `limit` children: the most frequent ones, the latest-seen first among equal
         counts. Why these: drafting keeps the highest pooled counts, so a rare child cut here
         would rarely have been drafted; and the order (latest occurrence first) is the one the
         n-gram store lists children in, so ties break as they did. The work is one vectorised
-        pass over the parent's occurrences and `limit` Python steps, whatever the prompt's size.
+        pass over the string's occurrences and `limit` Python steps, whatever the prompt's size.
         """
-        lo, hi, length = parent
+        lo, hi, length = handle
         token_at, sa = self._token, self._sa
         if length >= self._limit or (length and token_at[sa[lo] + length - 1] in self._boundary):
             return
