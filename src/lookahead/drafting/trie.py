@@ -147,8 +147,13 @@ class TokenTrie:
         return cls(config.ngram_length, boundary_ids, config.trie_max_nodes, config.trie_half_life)
 
     def __len__(self) -> int:
-        """Nodes in the shared index (the prompts of live requests are not nodes)."""
-        return len(self._shared)
+        """Nodes in the shared index (the prompts of live requests are not nodes).
+
+        Under the lock like every public method: another thread's learning adds nodes before
+        it evicts, and a reader between the two would see the budget exceeded.
+        """
+        with self._lock:
+            return len(self._shared)
 
     def bind_tokenizer(self, tokenizer: Any) -> None:
         """Adopt a tokenizer, or refuse one other than the tokenizer this trie was built with."""
