@@ -69,7 +69,7 @@ PRIOR = Calibration.trie_prior()
 
 
 def _observe(calibration: Calibration, tree: DraftTree, accepted: list[int]) -> None:
-    calibration.record(*Calibration.observations(tree, accepted))
+    calibration.record(*Calibration.observations(tree, accepted)[:2])
 
 
 def test_calibration_starts_from_the_trie_and_learns_per_source():
@@ -181,3 +181,37 @@ def test_an_underpriced_width_is_learnt_and_then_not_chosen():
         sent = policy.fit(trees)
         policy.observe(sent, 210.0 if len(sent[0]) else 100.0)
     assert [len(tree) for tree in policy.fit(trees)] == [0] * 8
+
+
+def test_long_contexts_are_priced_by_their_own_curves():
+    cost = CostModel({1: 10.0, 64: 20.0}, contexts={4096: {1: 30.0, 64: 60.0}})
+    assert cost.contexts == [128, 4096]
+    assert cost.predict(1) == 10.0 and cost.predict(1, context=4096) == pytest.approx(30.0)
+    assert cost.predict(64, context=2112) == pytest.approx(40.0), "halfway between the measured lengths"
+    assert cost.predict(1, context=8064) == pytest.approx(50.0), "past the longest: attention reads every token"
+    batched = CostModel({1: 10.0, 64: 20.0}, batched={8: {1: 40.0, 64: 80.0}}, contexts={4096: {1: 30.0, 64: 60.0}})
+    assert batched.predict(1, rows=8, context=4096) == pytest.approx(120.0), "rows scale by the one-row ratio"
+    for _ in range(50):
+        cost.observe(1, 60.0, context=4096)  # twice the measurement, seen at a long context
+    assert cost.predict(1) == pytest.approx(20.0, rel=0.1), "the correction is by size, whatever the context"
+
+
+def test_a_request_whose_drafts_fail_stops_drafting_within_a_few_steps_and_recovers():
+    policy = DraftPolicy(CPU_LIKE)
+    request = policy.request_rates()
+    chain = DraftTree([5, 6, 7, 8, 9, 10], [0, 1, 2, 3, 4, 5], ratios=[1.0] * 6, sources=[PROMPT] * 6)
+
+    def sent() -> DraftTree:
+        rates = policy.rates(request)
+        chances = np.cumprod(rates[Calibration.cells(chain)]).tolist()
+        return policy.fit([DraftTree(chain.tokens, chain.parents, chain.ratios, chain.sources, chances)])[0]
+
+    assert len(sent()) == 6, "a fresh engine tries a chain copied from the prompt"
+    sizes = []
+    while len(tree := sent()) and len(sizes) < 20:
+        sizes.append(len(tree))
+        policy.learn(tree, [], request)  # its first node fails every time
+    assert sizes[3] <= 3 and len(sizes) <= 10, f"the request backs off within a few failed steps: {sizes}"
+    for _ in range(3):
+        policy.learn(chain, [1, 2, 3, 4, 5, 6], request)  # then copies hold (as a replay shows, whatever was sent)
+    assert len(sent()) == 6, "and it drafts again once they do"

@@ -6,9 +6,10 @@ import pytest
 
 from lookahead import LookaheadConfig, LookaheadEngine
 from lookahead.bench.datasets import load_prompts
-from lookahead.bench.replay import ReplayStats, load_records, oracle_choices, predicted_seconds, record, replay
+from lookahead.bench.replay import ReplayStats, load_records, oracle_choices, record, replay, replay_record
 from lookahead.cli import main
 from lookahead.decoding.step import Priced
+from lookahead.drafting.drafter import TrieDrafting
 from lookahead.drafting.policy import CostModel
 from lookahead.drafting.tree import DraftTree
 
@@ -20,10 +21,18 @@ def test_oracle_follows_the_recording_only_along_matching_paths():
     assert oracle_choices(tree, output, pos=1) == [7, 8, -1, 6]
 
 
-def test_predicted_time_interpolates_the_cost_curve():
-    stats = ReplayStats(widths={1: 2, 4: 1, 128: 1})
-    cost = {"1": 10.0, "8": 24.0, "64": 80.0}
-    assert predicted_seconds(stats, cost) == pytest.approx((2 * 10 + 16 + 144) / 1000)
+def test_replay_prices_every_step_at_its_context():
+    header = {"eos_ids": [0], "max_new_tokens": 20, "draft_mode": "tree", "cost_ms": {"1": 10.0, "64": 20.0},
+              "cost_by_context": {"4096": {"1": 30.0, "64": 60.0}}}  # fmt: skip
+    prompt = [1 + i % 1000 for i in range(2000)]
+    record = {"dataset": "d", "key": "k", "prompt_ids": prompt, "output_ids": [2001 + i for i in range(20)]}
+    config = LookaheadConfig(policy="fixed")
+    stats = ReplayStats()
+    replay_record(TrieDrafting.from_config(config, [0]), header, record, stats)
+    assert stats.steps == 19, "nothing to draft: plain steps after the first token"
+    at_2000 = 10.0 + 20.0 * (2000 - 128) / (4096 - 128)  # one row of 1, linear between 128 and 4096 tokens
+    assert stats.priced_ms == pytest.approx(19 * at_2000, rel=0.01), "not the 10 ms of a 128-token context"
+    assert stats.plain_ms == pytest.approx(stats.priced_ms)
 
 
 def test_bad_recording_file(tmp_path):

@@ -141,7 +141,7 @@ def run_replay(args: argparse.Namespace) -> int:
     rows = []
     for name, config in configs.items():
         clock = time.perf_counter()
-        rows += summarize_replay(name, config, replay(records, header, config), header)
+        rows += summarize_replay(name, config, replay(records, header, config))
         print(f"{name}: replayed in {time.perf_counter() - clock:.1f} s", file=sys.stderr)
     columns = ["config", "dataset", "prompts", "edl", "draft_tokens_per_step", "predicted_speedup"]
     table = markdown_table(rows, columns)

@@ -91,12 +91,23 @@ def creative(limit: int) -> list[Prompt]:
     return [Prompt("creative", f"creative/{i}", text) for i, text in enumerate(CREATIVE[:limit])]
 
 
+DOCQA_LENGTHS = (1024, 2048, 4096)
+
+
+def docqa(limit: int) -> list[Prompt]:
+    """Questions on documentation of about 1k, 2k and 4k tokens in turn (bench/longdocs.py; ~4 characters a token)."""
+    from .longdocs import doc_question
+
+    return [doc_question(lambda text: len(text) // 4, DOCQA_LENGTHS[i % 3], i) for i in range(limit)]
+
+
 DATASETS: dict[str, Callable[[int], list[Prompt]]] = {
     "humaneval": humaneval,
     "gsm8k": gsm8k,
     "mtbench": mtbench,
     "code-edit": code_edit,
     "creative": creative,
+    "docqa": docqa,
 }
 
 

@@ -41,13 +41,18 @@ class ReplayStats:
     draft_tokens: int = 0
     accepted: Counter[int] = field(default_factory=Counter)
     widths: Counter[int] = field(default_factory=Counter)
-    """Forward-pass widths (root + draft) → number of steps: what the cost model prices."""
+    """Forward-pass widths (root + draft) → number of steps."""
+    priced_ms: float = 0.0
+    """The steps' forward passes, priced by the recording's cost curves at each step's context."""
+    plain_ms: float = 0.0
+    """What plain decoding's steps would cost for the same tokens, priced the same way."""
 
     @classmethod
-    def of(cls, stats: GenerationStats) -> ReplayStats:
+    def of(cls, stats: GenerationStats, priced_ms: float = 0.0, plain_ms: float = 0.0) -> ReplayStats:
         """The figures of one replayed generation."""
         widths = Counter({sent + 1: steps for sent, steps in stats.sent_histogram.items()})
-        return cls(1, stats.new_tokens, stats.steps, stats.draft_tokens, Counter(stats.accepted_histogram), widths)
+        accepted = Counter(stats.accepted_histogram)
+        return cls(1, stats.new_tokens, stats.steps, stats.draft_tokens, accepted, widths, priced_ms, plain_ms)
 
     def add(self, other: ReplayStats) -> None:
         self.prompts += other.prompts
@@ -56,6 +61,8 @@ class ReplayStats:
         self.draft_tokens += other.draft_tokens
         self.accepted.update(other.accepted)
         self.widths.update(other.widths)
+        self.priced_ms += other.priced_ms
+        self.plain_ms += other.plain_ms
 
 
 def oracle_choices(tree: DraftTree, output: Sequence[int], pos: int) -> list[int]:
@@ -96,7 +103,7 @@ class RecordingVerifier:
 
 def replay(records: Iterable[dict], header: dict, config: LookaheadConfig) -> dict[str, ReplayStats]:
     """All records in order with one trie (state carries across requests, as in a server)."""
-    drafting = TrieDrafting.from_config(config, header["eos_ids"], CostModel(header["cost_ms"]))
+    drafting = TrieDrafting.from_config(config, header["eos_ids"], recorded_cost(header))
     by_dataset: dict[str, ReplayStats] = {}
     for record in records:
         replay_record(drafting, header, record, by_dataset.setdefault(record["dataset"], ReplayStats()))
@@ -109,34 +116,31 @@ def replay_record(drafting: TrieDrafting, header: dict, record: dict, stats: Rep
     Each step is priced by the cost curve measured at record time, and the policy learns
     from those times as it does from a real run's clock.
     """
-    output = record["output_ids"]
+    output, prompt = record["output_ids"], record["prompt_ids"]
     transcript = Transcript(lambda ids: "", header["max_new_tokens"], frozenset(header["eos_ids"]), ())
-    generation = Generation(record["prompt_ids"], header["max_new_tokens"], transcript)
-    verifier = Priced(RecordingVerifier(output, header["draft_mode"] == "tree"), CostModel(header["cost_ms"]))
+    generation = Generation(prompt, header["max_new_tokens"], transcript)
+    cost = recorded_cost(header)
+    verifier = Priced(RecordingVerifier(output, header["draft_mode"] == "tree"), cost)
     for _ in decode(generation, verifier, drafting):
         pass
     if transcript.tokens != output:
         raise ValueError(f"record {record.get('key')!r}: its output does not end at a stop of the recording's settings")
-    stats.add(ReplayStats.of(generation.stats))
+    plain_ms = sum(cost.predict(1, context=len(prompt) + i) for i in range(len(output) - 1))
+    stats.add(ReplayStats.of(generation.stats, verifier.spent_ms, plain_ms))
 
 
-def predicted_seconds(stats: ReplayStats, cost_ms: dict) -> float:
-    """Forward time of all steps, priced by the cost curve measured at record time."""
-    cost = CostModel(cost_ms)
-    return sum(cost.predict(width) * count for width, count in stats.widths.items()) / 1000
+def recorded_cost(header: dict) -> CostModel:
+    """The cost curves measured at record time (one-row curves at longer contexts, if recorded)."""
+    return CostModel(header["cost_ms"], contexts=header.get("cost_by_context"))
 
 
-def summarize_replay(
-    name: str, config: LookaheadConfig, by_dataset: dict[str, ReplayStats], header: dict
-) -> list[dict]:
-    """Rows per data set and for all: tokens per step, draft size, speedup predicted by the cost curve."""
+def summarize_replay(name: str, config: LookaheadConfig, by_dataset: dict[str, ReplayStats]) -> list[dict]:
+    """Rows per data set and for all: tokens per step, draft size, speedup predicted by the cost curves."""
     total = ReplayStats()
     for stats in by_dataset.values():
         total.add(stats)
-    plain_ms = CostModel(header["cost_ms"]).predict(1)
     rows = []
     for dataset, stats in [*by_dataset.items(), ("all", total)]:
-        plain_s = (stats.new_tokens - stats.prompts) * plain_ms / 1000  # a plain step per token after the first
         rows.append(
             {
                 "config": name,
@@ -147,7 +151,7 @@ def summarize_replay(
                 "policy": config.policy,
                 "edl": round(stats.new_tokens / stats.steps, 3),
                 "draft_tokens_per_step": round(stats.draft_tokens / stats.steps, 2),
-                "predicted_speedup": round(plain_s / predicted_seconds(stats, header["cost_ms"]), 3),
+                "predicted_speedup": round(stats.plain_ms / stats.priced_ms, 3),
             }
         )
     return rows
@@ -167,7 +171,7 @@ def sweep_configs() -> dict[str, LookaheadConfig]:
 
 def record(engine: LookaheadEngine, prompts: list[Prompt], max_new_tokens: int, path: Path, progress=None) -> None:
     """Plain greedy over `prompts`, written as JSON lines after a header with the cost curve."""
-    from ..decoding.costs import measure_cost
+    from ..decoding.costs import measure_contexts, measure_cost
 
     rows = []
     for prompt in prompts:
@@ -182,6 +186,7 @@ def record(engine: LookaheadEngine, prompts: list[Prompt], max_new_tokens: int, 
         "max_new_tokens": max_new_tokens,
         "draft_mode": engine.draft_mode,
         "cost_ms": measure_cost(engine.forward),
+        "cost_by_context": measure_contexts(engine.forward),
     }
     scratch = path.with_name(path.name + ".part")
     with scratch.open("w") as out:

@@ -18,11 +18,13 @@ from pathlib import Path
 
 import torch
 
-from ..drafting.policy import CostModel
+from ..drafting.policy import BASE_CONTEXT, CostModel
 from ..models import cache_dir
 from .forward import ModelForward
 
 COST_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # small widths are irregular on CPUs
+COST_CONTEXTS = (1024, 4096)
+"""Longer contexts the one-row curve is measured at too (those the model's context holds); BASE_CONTEXT is the first."""
 BATCH_ROWS = (2, 4, 8, 16)
 BATCH_WIDTHS = (1, 2, 4, 8, 16, 32)
 REPEATS = 5
@@ -31,7 +33,7 @@ REPEATS = 5
 def measure_cost(
     forward: ModelForward,
     widths: Sequence[int] = COST_WIDTHS,
-    context: int = 128,
+    context: int = BASE_CONTEXT,
     repeats: int = REPEATS,
     rows: int = 1,
     tree_masks: bool = True,
@@ -60,11 +62,29 @@ def measure_cost(
     return {width: round(statistics.median(spent), 3) for width, spent in times.items()}
 
 
+def longer_contexts(forward: ModelForward) -> list[int]:
+    """The COST_CONTEXTS this model's context holds with the widest measured pass."""
+    most = getattr(forward.config, "max_position_embeddings", None) or 1 << 30
+    return [length for length in COST_CONTEXTS if length + max(COST_WIDTHS) <= most]
+
+
+def measure_contexts(forward: ModelForward) -> dict[int, dict[int, float]]:
+    """The one-row curve after each of `longer_contexts` cached tokens."""
+    return {length: measure_cost(forward, context=length) for length in longer_contexts(forward)}
+
+
 def cost_model(forward: ModelForward, batched: bool = False, tree_masks: bool = True) -> CostModel:
-    """The cost curve of this model on this device (and, if `batched`, of BATCH_ROWS rows), cached on disk."""
+    """The cost curves of this model on this device (one row at a few contexts; if `batched`, BATCH_ROWS rows).
+
+    Cached on disk.
+    """
     name = getattr(forward.config, "_name_or_path", "")
     key = f"{name}|{forward.model.dtype}|{forward.device}|threads={torch.get_num_threads()}|interleaved={REPEATS}"
     wanted = {f"{key}|widths={COST_WIDTHS}": functools.partial(measure_cost, forward)}
+    contexts = longer_contexts(forward)
+    for length in contexts:
+        measure = functools.partial(measure_cost, forward, context=length)
+        wanted[f"{key}|context={length}|widths={COST_WIDTHS}"] = measure
     if batched:
         for rows in BATCH_ROWS:
             measure = functools.partial(measure_cost, forward, BATCH_WIDTHS, rows=rows, tree_masks=tree_masks)
@@ -84,8 +104,10 @@ def cost_model(forward: ModelForward, batched: bool = False, tree_masks: bool = 
             scratch = path.with_name(f".costs-{os.getpid()}.json")
             scratch.write_text(json.dumps(known, indent=1))
             scratch.replace(path)
-    single, *per_rows = curves
-    return CostModel(single, dict(zip(BATCH_ROWS, per_rows, strict=True)) if batched else None)
+    single, *others = curves
+    longer = dict(zip(contexts, others[: len(contexts)], strict=True))
+    per_rows = dict(zip(BATCH_ROWS, others[len(contexts) :], strict=True)) if batched else None
+    return CostModel(single, per_rows, longer)
 
 
 def _read(path: Path) -> dict:

@@ -65,11 +65,12 @@ def step(generations: Sequence[Generation], verifier: Verifier, drafting: Drafti
     and the step's time is reported back to it.
     """
     trees = [_propose(generation, verifier) for generation in generations]
+    context = longest_context(generations)
     if drafting is not None:
-        trees = drafting.fit(trees)
+        trees = drafting.fit(trees, context)
     verdicts, milliseconds = verifier.verify(generations, trees)
     if drafting is not None:
-        drafting.observe(trees, milliseconds)
+        drafting.observe(trees, milliseconds, context)
     kept = []
     for generation, tree, (accepted, emitted) in zip(generations, trees, verdicts, strict=True):
         stats = generation.stats
@@ -83,6 +84,11 @@ def step(generations: Sequence[Generation], verifier: Verifier, drafting: Drafti
         stats.sent_histogram[len(tree)] += 1
         kept.append(generation.take(emitted))
     return kept
+
+
+def longest_context(generations: Sequence[Generation]) -> int:
+    """Tokens in the longest row's cache at this step: what attention reads, and the padded batch's length."""
+    return max(len(generation.tokens) for generation in generations) - 1
 
 
 def _propose(generation: Generation, verifier: Verifier) -> DraftTree:
@@ -104,6 +110,8 @@ class Priced:
     def __init__(self, verifier: Verifier, cost: CostModel) -> None:
         self.verifier = verifier
         self.cost = cost
+        self.spent_ms = 0.0
+        """The predicted milliseconds of all steps so far."""
 
     @property
     def batched(self) -> bool:
@@ -114,7 +122,10 @@ class Priced:
 
     def verify(self, generations: Sequence[Generation], trees: Sequence[DraftTree]) -> tuple[list[Verdict], float]:
         verdicts, _ = self.verifier.verify(generations, trees)
-        return verdicts, self.cost.predict(max(len(tree) for tree in trees) + 1, len(trees))
+        width = max(len(tree) for tree in trees) + 1
+        milliseconds = self.cost.predict(width, len(trees), longest_context(generations))
+        self.spent_ms += milliseconds
+        return verdicts, milliseconds
 
     def may_branch(self, generation: Generation) -> bool:
         return self.verifier.may_branch(generation)

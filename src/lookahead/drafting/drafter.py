@@ -48,12 +48,12 @@ class Drafting(Protocol):
 
     def open(self, prompt: Sequence[int]) -> Drafter: ...
 
-    def fit(self, trees: Sequence[DraftTree]) -> list[DraftTree]:
-        """The part of each row's candidates to verify in this step (a prefix of each)."""
+    def fit(self, trees: Sequence[DraftTree], context: int) -> list[DraftTree]:
+        """The part of each row's candidates to verify in this step (a prefix of each); `context`: the longest row's."""
         ...
 
-    def observe(self, trees: Sequence[DraftTree], milliseconds: float) -> None:
-        """The milliseconds the step that verified `trees` together took."""
+    def observe(self, trees: Sequence[DraftTree], milliseconds: float, context: int) -> None:
+        """The milliseconds the step that verified `trees` together (the longest after `context` tokens) took."""
         ...
 
 
@@ -65,12 +65,12 @@ class TrieDrafter:
         self.config = config
         self.policy = policy
         self.request = object()
-        self.calibration = policy.request_calibration()
+        self.rates = policy.request_rates()
         trie.insert(prompt, request=self.request)
 
     def propose(self, context: Sequence[int], room: int, branching: bool) -> DraftTree:
         config, policy = self.config, self.policy
-        rates = policy.rates(self.calibration).tolist() if policy.adaptive else None
+        rates = policy.rates(self.rates).tolist() if policy.adaptive else None
         tree = self.trie.retrieve(
             context,
             config.decoding_length,
@@ -84,7 +84,7 @@ class TrieDrafter:
         return tree
 
     def verified(self, tree: DraftTree, accepted: Sequence[int]) -> None:
-        self.policy.learn(tree, accepted, self.calibration)
+        self.policy.learn(tree, accepted, self.rates)
 
     def learn(self, tokens: Sequence[int]) -> None:
         self.trie.observe(self.request, tokens)
@@ -116,8 +116,8 @@ class TrieDrafting:
     def open(self, prompt: Sequence[int]) -> TrieDrafter:
         return TrieDrafter(self.trie, self.config, self.policy, prompt)
 
-    def fit(self, trees: Sequence[DraftTree]) -> list[DraftTree]:
-        return self.policy.fit(trees)
+    def fit(self, trees: Sequence[DraftTree], context: int) -> list[DraftTree]:
+        return self.policy.fit(trees, context)
 
-    def observe(self, trees: Sequence[DraftTree], milliseconds: float) -> None:
-        self.policy.observe(trees, milliseconds)
+    def observe(self, trees: Sequence[DraftTree], milliseconds: float, context: int) -> None:
+        self.policy.observe(trees, milliseconds, context)

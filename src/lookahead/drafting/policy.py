@@ -6,8 +6,9 @@ prices every step: the trie drafts best-first by each node's learned chance of a
 and the policy sends the likeliest nodes, as many as maximise expected emitted tokens per
 predicted millisecond, which may be no draft at all.
 
-- Cost: milliseconds of a forward pass by its width and rows, measured on the model at
-  start and corrected online by how real steps of that size compare with the prediction.
+- Cost: milliseconds of a forward pass by its width, rows and context length, measured on
+  the model at start and corrected online by how real steps of that size compare with the
+  prediction.
 - Acceptance: per node, the chance it is accepted once its parent is, learned online from
   verification by where the node's n-gram was seen and the trie's count ratio (Calibration),
   engine-wide and per request; a node's chance is the product along its path.
@@ -50,15 +51,22 @@ def _at(widths: list[int], base: list[float], width: int) -> float:
     return max(c0 + (c1 - c0) * (width - w0) / (w1 - w0), base[0] * 0.5)
 
 
+BASE_CONTEXT = 128
+"""Cached tokens behind the measured width curves; curves at longer contexts scale them."""
+
+
 class CostModel:
-    """Forward-pass milliseconds by width (root + draft nodes) and rows (sequences verified together).
+    """Forward-pass milliseconds by width (root + draft nodes), rows (sequences verified together) and context.
 
     Widths below SMOOTH_FROM are kept as measured: on CPUs, 2 or 3 tokens can cost more than
     8 (the matrix kernels change), and the policy must know. From SMOOTH_FROM up the cost is
     close to a straight line and the measurement noise is larger than its curvature, so those
     points are replaced by a least-squares line through them. `batched` adds a curve per
     measured row count; other row counts are interpolated between them (and extrapolated
-    past the largest from the last two).
+    past the largest from the last two). `contexts` adds one-row curves measured after more
+    cached tokens than BASE_CONTEXT: a step after c tokens costs the base curve times the
+    one-row ratio at c (linear in c between measured lengths and past the longest, since
+    attention reads every cached token), for any row count.
 
     Real steps correct the measurement: each size of step — its row count and width bucket
     (1, 2, 3-4, 5-8, …) — learns its own factor (observed / measured). A start-up
@@ -79,13 +87,18 @@ class CostModel:
     """A size's evidence fades by this much for every step of another size."""
 
     def __init__(
-        self, points: Mapping[int | str, float], batched: Mapping[int | str, Mapping[int | str, float]] | None = None
+        self,
+        points: Mapping[int | str, float],
+        batched: Mapping[int | str, Mapping[int | str, float]] | None = None,
+        contexts: Mapping[int | str, Mapping[int | str, float]] | None = None,
     ) -> None:
         self.widths, self.base = _curve(points)
         """The curve of one row."""
         self._curves = {1: (self.widths, self.base)}
         self._curves.update({int(rows): _curve(curve) for rows, curve in (batched or {}).items()})
         self._rows = sorted(self._curves)
+        longer = {int(length): _curve(curve) for length, curve in (contexts or {}).items()}
+        self._contexts = sorted({**longer, BASE_CONTEXT: (self.widths, self.base)}.items())
         self.scale = 1.0
         """Observed / measured cost of plain steps, followed slowly: the machine's load and context."""
         self._factors: dict[tuple[int, int], tuple[float, float, int]] = {}
@@ -97,8 +110,19 @@ class CostModel:
         """The row counts measured."""
         return list(self._rows)
 
-    def measured(self, width: int, rows: int = 1) -> float:
+    @property
+    def contexts(self) -> list[int]:
+        """The context lengths measured (BASE_CONTEXT among them)."""
+        return [length for length, _ in self._contexts]
+
+    def measured(self, width: int, rows: int = 1, context: int = BASE_CONTEXT) -> float:
         """The start-up measurement at this size, interpolated: no online correction."""
+        at_base = self._rows_at(width, rows)
+        if len(self._contexts) == 1 or context == BASE_CONTEXT:
+            return at_base
+        return at_base * self._longer(width, context) / _at(self.widths, self.base, width)
+
+    def _rows_at(self, width: int, rows: int) -> float:
         if rows == 1 or len(self._rows) == 1:
             return _at(self.widths, self.base, width)
         known = self._rows
@@ -106,6 +130,14 @@ class CostModel:
         r0, r1 = known[i - 1], known[i]
         c0, c1 = (_at(*self._curves[r], width) for r in (r0, r1))
         return max(c0 + (c1 - c0) * (rows - r0) / (r1 - r0), c0)  # more rows never cost less
+
+    def _longer(self, width: int, context: int) -> float:
+        """One row of `width` after `context` cached tokens: linear between measured lengths, at least half the base."""
+        lengths = self.contexts
+        i = min(max(bisect.bisect_left(lengths, context), 1), len(lengths) - 1)
+        (l0, curve0), (l1, curve1) = self._contexts[i - 1], self._contexts[i]
+        c0, c1 = _at(*curve0, width), _at(*curve1, width)
+        return max(c0 + (c1 - c0) * (context - l0) / (l1 - l0), _at(self.widths, self.base, width) * 0.5)
 
     def factor(self, width: int, rows: int = 1) -> float:
         """How real steps of this size compare with the measurement: its own recent evidence blended with `scale`."""
@@ -116,12 +148,12 @@ class CostModel:
         evidence *= self.FORGET ** (self._steps - seen)
         return (evidence * factor + self.PRIOR_STEPS * self.scale) / (evidence + self.PRIOR_STEPS)
 
-    def predict(self, width: int, rows: int = 1) -> float:
-        return self.measured(width, rows) * self.factor(width, rows)
+    def predict(self, width: int, rows: int = 1, context: int = BASE_CONTEXT) -> float:
+        return self.measured(width, rows, context) * self.factor(width, rows)
 
-    def observe(self, width: int, milliseconds: float, rows: int = 1) -> None:
+    def observe(self, width: int, milliseconds: float, rows: int = 1, context: int = BASE_CONTEXT) -> None:
         """Learn from a real step of this size; a step 5x off its prediction is an outlier (a pause), ignored."""
-        ratio = milliseconds / self.measured(width, rows)
+        ratio = milliseconds / self.measured(width, rows, context)
         if not 0.2 < ratio / self.factor(width, rows) < 5:
             return
         if width == 1:
@@ -168,7 +200,14 @@ class Calibration:
 
     @classmethod
     def trie_prior(cls) -> np.ndarray:
-        """Rates that trust the trie: each ratio bin's midpoint, in every cell."""
+        """Rates that trust the trie: each ratio bin's midpoint, in every cell.
+
+        Trusting is what keeps an engine exploring: a doubted prior (half the midpoint where
+        drafts start) matched a fresh engine's first request better, but on the recorded
+        Qwen answers it kept the engine from ever trying the drafts that earlier answers
+        offered (predicted speedup 1.65x -> 1.50x warm). A request that fails instead backs
+        off within a few steps (RequestRates).
+        """
         midpoints = (np.arange(cls.RATIO_BINS) + 0.5) / cls.RATIO_BINS
         return np.tile(np.repeat(midpoints, 2), 3)
 
@@ -189,13 +228,16 @@ class Calibration:
             return (self.accepted + self.weight * prior) / (self.sent + self.weight)
 
     @classmethod
-    def observations(cls, tree: DraftTree, accepted: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Cells and outcomes of the nodes whose parent verification kept; `accepted` are block indices."""
+    def observations(cls, tree: DraftTree, accepted: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Cells, outcomes and the chances given, of the nodes whose parent verification kept (block indices)."""
         kept = np.zeros(len(tree) + 1, dtype=bool)
         kept[0] = True
         kept[list(accepted)] = True
-        tried = kept[np.asarray(tree.parents, dtype=np.int64)]
-        return cls.cells(tree)[tried], kept[1:][tried].astype(np.float64)
+        parents = np.asarray(tree.parents, dtype=np.int64)
+        tried = kept[parents]
+        path = np.concatenate([[1.0], tree.chances])
+        edge = path[1:] / np.maximum(path[parents], 1e-12)  # a node's chance once its parent is accepted
+        return cls.cells(tree)[tried], kept[1:][tried].astype(np.float64), edge[tried]
 
     def record(self, cells: np.ndarray, outcomes: np.ndarray) -> None:
         with self._lock:
@@ -209,18 +251,60 @@ class Calibration:
 TRIE_PRIOR = Calibration.trie_prior()
 
 
-def best_width(chances: Sequence[Sequence[float]], cost: CostModel) -> int:
+class RequestRates:
+    """One request's own acceptance rates: per cell, and one level for all its cells that reacts in a few steps.
+
+    A request's failures land in many cells (three sources by five ratio bins by depth), so
+    per-cell counts alone learn slowly that this request's drafts fail. The level is the
+    request's accepted nodes over the nodes its rates expected (both fading by LEVEL_FADE a
+    step, with LEVEL_WEIGHT of neutral evidence), and scales the engine's rates in every
+    cell, those of nodes never tried yet included: a chain whose first node keeps failing
+    shrinks from six nodes to three in three steps and to none in ten (without the level: six
+    nodes for eight steps, none after twelve), and a run of
+    accepted copies raises it again. When it sends nothing the evidence fades, so it tries
+    again later.
+    """
+
+    def __init__(self) -> None:
+        self.calibration = Calibration(REQUEST_PRIOR_WEIGHT)
+        self.accepted = 0.0
+        self.expected = 0.0
+
+    @property
+    def level(self) -> float:
+        return (self.accepted + LEVEL_WEIGHT) / (self.expected + LEVEL_WEIGHT)
+
+    def rates(self, engine: np.ndarray) -> np.ndarray:
+        return self.calibration.rates(np.minimum(engine * self.level, MOST_LIKELY))
+
+    def record(self, cells: np.ndarray, outcomes: np.ndarray, expected: np.ndarray) -> None:
+        """Outcomes of a step's tried nodes, and the chance each was given when it was sent."""
+        self.calibration.record(cells, outcomes)
+        self.accepted = self.accepted * LEVEL_FADE + float(outcomes.sum())
+        self.expected = self.expected * LEVEL_FADE + float(expected.sum())
+
+
+LEVEL_WEIGHT = 3.0
+"""Tried nodes of neutral evidence in a request's level."""
+LEVEL_FADE = 0.9
+"""A request's level forgets a step's evidence at this rate: it follows the last ten or so steps."""
+MOST_LIKELY = 0.98
+"""No edge is ever certain: a raised level must not make a long draft look free of risk."""
+
+
+def best_width(chances: Sequence[Sequence[float]], cost: CostModel, context: int = BASE_CONTEXT) -> int:
     """Draft nodes per row worth sending: most expected tokens of all rows per predicted millisecond.
 
     `chances[b]` are row b's candidates' chances of acceptance, likeliest first. Every row of
     a batch pays for the widest row's block, so each row sends its first k nodes (fewer if it
-    has fewer) for one k; 0 means plain decoding of every row this step.
+    has fewer) for one k; 0 means plain decoding of every row this step. `context`: the
+    longest row's cached tokens (the padded batch's length).
     """
     rows = len(chances)
-    best, best_rate, expected = 0, rows / cost.predict(1, rows), float(rows)
+    best, best_rate, expected = 0, rows / cost.predict(1, rows, context), float(rows)
     for k in range(1, max(map(len, chances), default=0) + 1):
         expected += sum(row[k - 1] for row in chances if len(row) >= k)
-        rate = expected / cost.predict(k + 1, rows)
+        rate = expected / cost.predict(k + 1, rows, context)
         if rate > best_rate:
             best, best_rate = k, rate
     return best
@@ -248,30 +332,33 @@ class DraftPolicy:
         return self.cost is not None
 
     @staticmethod
-    def request_calibration() -> Calibration:
+    def request_rates() -> RequestRates:
         """A new request's own rates, which start from the engine's."""
-        return Calibration(REQUEST_PRIOR_WEIGHT)
+        return RequestRates()
 
-    def rates(self, request: Calibration) -> np.ndarray:
+    def rates(self, request: RequestRates) -> np.ndarray:
         """Per cell, the chance a node is accepted once its parent is, as `request` should expect it."""
         return request.rates(self.calibration.rates(TRIE_PRIOR))
 
-    def fit(self, trees: Sequence[DraftTree]) -> list[DraftTree]:
-        """What each row sends of its candidates (likeliest first): the width worth its cost for all rows together."""
+    def fit(self, trees: Sequence[DraftTree], context: int = BASE_CONTEXT) -> list[DraftTree]:
+        """What each row sends of its candidates (likeliest first): the width worth its cost for all rows together.
+
+        `context`: the cached tokens of the longest row.
+        """
         if self.cost is None or not any(trees):
             return list(trees)
-        size = best_width([tree.chances for tree in trees], self.cost)
+        size = best_width([tree.chances for tree in trees], self.cost, context)
         return [tree.prefix(size) for tree in trees]
 
-    def learn(self, tree: DraftTree, accepted: Sequence[int], request: Calibration) -> None:
+    def learn(self, tree: DraftTree, accepted: Sequence[int], request: RequestRates) -> None:
         """Calibrate, engine-wide and for the request, by what verification kept of `tree` (block indices)."""
         if self.cost is None:
             return
-        observed = Calibration.observations(tree, accepted)  # once for both calibrations
-        self.calibration.record(*observed)
-        request.record(*observed)
+        cells, outcomes, expected = Calibration.observations(tree, accepted)  # once for both
+        self.calibration.record(cells, outcomes)
+        request.record(cells, outcomes, expected)
 
-    def observe(self, trees: Sequence[DraftTree], milliseconds: float) -> None:
-        """What the step that verified `trees` together cost."""
+    def observe(self, trees: Sequence[DraftTree], milliseconds: float, context: int = BASE_CONTEXT) -> None:
+        """What the step that verified `trees` together (after `context` cached tokens at most) cost."""
         if self.cost is not None:
-            self.cost.observe(max(len(tree) for tree in trees) + 1, milliseconds, len(trees))
+            self.cost.observe(max(len(tree) for tree in trees) + 1, milliseconds, len(trees), context)
