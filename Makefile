@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint models bench bench-sampling bench-full bench-gpu bench-batch replay replay-full trie-bench loadcheck
+.PHONY: setup run test lint models bench bench-sampling bench-full bench-gpu bench-batch bench-longdoc replay replay-full trie-bench loadcheck
 
 setup: $(STAMP)
 
@@ -71,6 +71,10 @@ replay-full: models
 # Concurrent streams 1-16: batched lookahead vs batched plain vs transformers' batches (benchmarks/batch-smollm2-135m/).
 bench-batch: setup
 	$(BIN)/python -m lookahead.bench.batchbench --out benchmarks/batch-smollm2-135m
+
+# Documentation questions of 0.5k-8k tokens, fresh and warm engine, lookahead vs plain: benchmarks/longdoc-<model>/.
+bench-longdoc: setup
+	$(BIN)/python -m lookahead.bench.longdoc --out benchmarks/longdoc-smollm2-135m
 
 # `lookahead serve` under load: 4 streaming clients for 120 s on loopback, every answer checked: benchmarks/server/.
 loadcheck: setup

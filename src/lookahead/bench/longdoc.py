@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="prompt lengths in tokens")
     parser.add_argument("--per-length", type=int, default=2, help="questions per length")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--index-lengths", default=",".join(map(str, INDEX_LENGTHS)), help="prompt indexing, tokens")
     parser.add_argument("--out", default="bench-out/longdoc")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"length": int(prompt.key.split("/")[1]), "phase": "warm engine", "key": prompt.key, **row})
         print(rows[-1], flush=True)
     everything = tokenizer(documentation())["input_ids"]
-    indexing = [index_cost(everything[:n]) for n in INDEX_LENGTHS]
+    indexing = [index_cost(everything[:n]) for n in map(int, args.index_lengths.split(","))]
     summary = summarize(rows)
     result = {
         "command": "python -m lookahead.bench.longdoc " + " ".join(argv or []),
