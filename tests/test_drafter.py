@@ -18,7 +18,7 @@ def test_drafters_cut_the_tree_by_policy():
 
     def sent(policy: DraftPolicy) -> DraftTree:
         drafting = TrieDrafting(config, trie, policy)
-        return drafting.fit([drafting.open([]).propose([1], 100, branching=True)])[0]
+        return drafting.fit([drafting.open([]).propose([1], 100, branching=True)], context=1)[0]
 
     assert len(sent(DraftPolicy())) == 8
     assert len(sent(DraftPolicy(STEEP))) == 0

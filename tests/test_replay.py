@@ -6,11 +6,18 @@ import pytest
 
 from lookahead import LookaheadConfig, LookaheadEngine
 from lookahead.bench.datasets import load_prompts
-from lookahead.bench.replay import ReplayStats, load_records, oracle_choices, record, replay, replay_record
+from lookahead.bench.replay import (
+    ReplayStats,
+    load_records,
+    oracle_choices,
+    record,
+    recorded_cost,
+    replay,
+    replay_record,
+)
 from lookahead.cli import main
 from lookahead.decoding.step import Priced
 from lookahead.drafting.drafter import TrieDrafting
-from lookahead.drafting.policy import CostModel
 from lookahead.drafting.tree import DraftTree
 
 
@@ -64,9 +71,9 @@ def test_replay_equals_a_real_run(default_model, recording, config):
     header, records = load_records(path)
     assert header["cost_ms"]["1"] > 0 and len(records) == 4
     real = LookaheadEngine(model, tokenizer, config)  # a fresh trie, like the replay's
-    if real.policy.adaptive:  # the policy reacts to step times: give it the replay's curve and prices
-        real.policy.cost = CostModel(header["cost_ms"])
-        real.verifier = Priced(real.verifier, CostModel(header["cost_ms"]))
+    if real.policy.adaptive:  # the policy reacts to step times: give it the replay's curves and prices
+        real.policy.cost = recorded_cost(header)
+        real.verifier = Priced(real.verifier, recorded_cost(header))
     steps: dict[str, int] = {}
     drafted: dict[str, int] = {}
     for prompt, rec in zip(prompts, records, strict=True):

@@ -137,6 +137,22 @@ def test_chat_equals_engine_and_model_generate(client, engine, default_model):
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(ids), len(expected.token_ids))
 
 
+def test_a_long_document_is_served_and_one_past_the_context_is_refused(client, engine):
+    from lookahead.bench.longdocs import doc_question
+
+    def count(text: str) -> int:
+        return len(engine.chat_ids([{"role": "user", "content": text}]))
+
+    messages = [{"role": "user", "content": doc_question(count, 3000).text}]
+    expected = engine.chat(messages, 16)
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    assert reply.choices[0].message.content == expected.text
+    assert reply.usage.prompt_tokens == len(engine.chat_ids(messages)) > 2500
+    too_long = [{"role": "user", "content": messages[0]["content"] * 3}]  # about 9k tokens, past 8,192
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.chat.completions.create(model=MODEL, messages=too_long, max_tokens=16)
+
+
 def test_stream_equals_non_stream_equals_engine(client, engine):
     prompt = "Write a Python function that reverses a string."
     messages = [{"role": "user", "content": prompt}]

@@ -183,8 +183,9 @@ class Calibration:
     accepted than the first node of a draft.
 
     A cell's rate is (accepted + weight * prior) / (sent + weight): the engine's calibration
-    has the trie's own estimate as prior; a request's has the engine's rates, so a request
-    that copies heavily from its document learns so within a few steps.
+    has the trie's own estimate as prior; a request's (RequestRates) has the engine's rates
+    times the request's level, so a request that copies heavily from its document learns so
+    within a few steps.
     """
 
     RATIO_BINS = 5
