@@ -18,7 +18,7 @@ def test_a_documentation_question_of_2k_tokens_equals_generate(default_model):
     def count(text: str) -> int:
         return len(engine.chat_ids([{"role": "user", "content": text}]))
 
-    ids = engine.chat_ids([{"role": "user", "content": doc_question(count, 2048).text}])
+    ids = engine.chat_ids([{"role": "user", "content": doc_question(count, 2048)}])
     assert 2048 - 64 <= len(ids) <= 2048
     out = engine.generate(ids, max_new_tokens=40)
     assert out.token_ids == hf_greedy(model, ids, 40)

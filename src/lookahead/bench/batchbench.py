@@ -26,7 +26,7 @@ import torch
 from ..decoding.engine import LookaheadEngine
 from ..models import eos_ids, load_model
 from .datasets import load_prompts
-from .report import environment, markdown_table
+from .report import add_model_options, environment, markdown_table
 
 SETS = ["humaneval", "gsm8k", "mtbench", "code-edit", "creative"]
 COLUMNS = ["streams", "method", "requests", "tokens_per_s", "decode_tokens_per_s", "p50_latency_s",
@@ -156,10 +156,7 @@ def hf_continuous_batching_note(model, prompts: list[list[int]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--threads", type=int, default=2)
+    add_model_options(parser)
     parser.add_argument("--prompts", type=int, default=16, help="requests per run, the five sets mixed")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--streams", default="1,2,4,8,16")

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
+from .longdocs import doc_question
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -96,9 +98,16 @@ DOCQA_LENGTHS = (1024, 2048, 4096)
 
 def docqa(limit: int) -> list[Prompt]:
     """Questions on documentation of about 1k, 2k and 4k tokens in turn (bench/longdocs.py; ~4 characters a token)."""
-    from .longdocs import doc_question
+    return [_doc_prompt(lambda text: len(text) // 4, DOCQA_LENGTHS[i % 3], i) for i in range(limit)]
 
-    return [doc_question(lambda text: len(text) // 4, DOCQA_LENGTHS[i % 3], i) for i in range(limit)]
+
+def doc_prompts(count: Callable[[str], int], lengths: list[int], per_length: int) -> list[Prompt]:
+    """`per_length` documentation questions of each length in tokens (as `count` counts them), in the order given."""
+    return [_doc_prompt(count, tokens, index) for tokens in lengths for index in range(per_length)]
+
+
+def _doc_prompt(count: Callable[[str], int], tokens: int, index: int) -> Prompt:
+    return Prompt("docqa", f"docqa/{tokens}/{index}", doc_question(count, tokens, index))
 
 
 DATASETS: dict[str, Callable[[int], list[Prompt]]] = {

@@ -24,8 +24,9 @@ import torch
 from ..decoding.engine import LookaheadEngine
 from ..drafting.trie import TokenTrie
 from ..models import load_model
-from .longdocs import doc_question, doc_questions, documentation
-from .report import environment, markdown_table
+from .datasets import doc_prompts
+from .longdocs import doc_question, documentation
+from .report import add_model_options, environment, markdown_table
 
 LENGTHS = (512, 1024, 2048, 4096, 8192)
 INDEX_LENGTHS = (1024, 4096, 32768)
@@ -94,10 +95,7 @@ def index_cost(prompt: list[int], repeats: int = 5) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--threads", type=int, default=2)
+    add_model_options(parser)
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="prompt lengths in tokens")
     parser.add_argument("--per-length", type=int, default=2, help="questions per length")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -113,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         return len(engine.chat_ids([{"role": "user", "content": text}]))
 
     lengths = [min(int(n), context - args.max_new_tokens - 8) for n in args.lengths.split(",")]
-    prompts = doc_questions(count, lengths, args.per_length)
+    prompts = doc_prompts(count, lengths, args.per_length)
     ids = [engine.chat_ids([{"role": "user", "content": p.text}]) for p in prompts]
     engine.generate(ids[0], 4, use_lookahead=False)  # warm-up of the model's kernels, not measured
     rows = []
@@ -125,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     warm = LookaheadEngine(model, tokenizer)
     for index in range(args.per_length, args.per_length + WARMUP_QUESTIONS):
         question = doc_question(count, 512, index)
-        warm.generate(warm.chat_ids([{"role": "user", "content": question.text}]), args.max_new_tokens)
+        warm.generate(warm.chat_ids([{"role": "user", "content": question}]), args.max_new_tokens)
     for i, (prompt, prompt_ids) in enumerate(zip(prompts, ids, strict=True)):
         row = compare(warm, prompt_ids, args.max_new_tokens, i % 2 == 1)
         rows.append({"length": int(prompt.key.split("/")[1]), "phase": "warm engine", "key": prompt.key, **row})

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .datasets import Prompt
-
 QUESTIONS = (
     "Using only the documentation above, explain what it says about `{topic}`. Quote the relevant sentences.",
     "According to the documentation above, how does `{topic}` work? Answer with the exact wording where you can.",
@@ -42,7 +40,7 @@ def _cut(lines: Sequence[str], count: Callable[[str], int], budget: int) -> str:
     return "\n".join(lines[:low])
 
 
-def doc_question(count: Callable[[str], int], tokens: int, index: int = 0) -> Prompt:
+def doc_question(count: Callable[[str], int], tokens: int, index: int = 0) -> str:
     """Documentation of about `tokens` tokens (as `count` counts them) and a question on it; `index` varies both.
 
     Documents start at a different topic for each index, wrap around the topics, and the
@@ -59,9 +57,4 @@ def doc_question(count: Callable[[str], int], tokens: int, index: int = 0) -> Pr
             break
     question = QUESTIONS[index % len(QUESTIONS)].format(topic=chosen[len(chosen) // 2][0])
     documents = _cut(text.splitlines(), count, max(tokens - count(question) - 24, 1))  # 24: the chat template
-    return Prompt("docqa", f"docqa/{tokens}/{index}", f"{documents}\n\n{question}")
-
-
-def doc_questions(count: Callable[[str], int], lengths: Sequence[int], per_length: int) -> list[Prompt]:
-    """`per_length` questions at each prompt length, lengths in the order given."""
-    return [doc_question(count, tokens, index) for tokens in lengths for index in range(per_length)]
+    return f"{documents}\n\n{question}"

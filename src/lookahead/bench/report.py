@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import sys
@@ -25,6 +26,14 @@ def environment() -> dict[str, str]:
         "torch_threads": str(torch.get_num_threads()),
         "device": "cuda: " + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """The options every benchmark script takes for its model: --model, --device, --dtype, --threads."""
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=2)
 
 
 def markdown_table(rows: list[dict], columns: list[str] = _COLUMNS) -> str:
