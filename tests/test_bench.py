@@ -119,14 +119,13 @@ def test_batch_benchmark_on_a_few_prompts(tmp_path):
 def test_long_document_benchmark_on_short_documents(tmp_path):
     from lookahead.bench.longdoc import main as longdoc_main
 
-    args = ["--lengths", "300,600", "--per-length", "1", "--max-new-tokens", "8", "--index-lengths", "500,2000"]
+    args = ["--lengths", "400", "--per-length", "1", "--max-new-tokens", "8", "--index-lengths", "500,2000"]
     assert longdoc_main([*args, "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "longdoc.json").read_text())
-    phases = {(row["length"], row["phase"]) for row in result["summary"]}
-    assert phases == {(n, phase) for n in (300, 600) for phase in ("fresh engine", "warm engine")}
+    assert [(row["length"], row["phase"]) for row in result["summary"]] == [(400, "fresh engine"), (400, "warm engine")]
     for row in result["results"]:
         assert row["exact"] and row["length"] - 64 <= row["prompt_tokens"] <= row["length"]
         assert row["lookahead_s"] > 0 and row["plain_s"] > 0 and 0 < row["ttft_lookahead_s"] < row["lookahead_s"]
     assert [row["tokens"] for row in result["indexing"]] == [500, 2000]
     assert all(0 < row["index_bytes_per_token"] <= 16 for row in result["indexing"])
-    assert "| 600 | warm engine |" in (tmp_path / "longdoc.md").read_text()
+    assert "| 400 | warm engine |" in (tmp_path / "longdoc.md").read_text()

@@ -180,13 +180,14 @@ def record(engine: LookaheadEngine, prompts: list[Prompt], max_new_tokens: int, 
         rows.append({"dataset": prompt.dataset, "key": prompt.key, "prompt_ids": ids, "output_ids": out.token_ids})
         if progress:
             progress()
+    longest = max(len(row["prompt_ids"]) + len(row["output_ids"]) for row in rows)
     header = {
         "format": "lookahead-replay/1",
         "eos_ids": sorted(engine.eos_ids),
         "max_new_tokens": max_new_tokens,
         "draft_mode": engine.draft_mode,
         "cost_ms": measure_cost(engine.forward),
-        "cost_by_context": measure_contexts(engine.forward),
+        "cost_by_context": measure_contexts(engine.forward, longest),
     }
     scratch = path.with_name(path.name + ".part")
     with scratch.open("w") as out:

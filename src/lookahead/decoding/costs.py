@@ -68,9 +68,12 @@ def longer_contexts(forward: ModelForward) -> list[int]:
     return [length for length in COST_CONTEXTS if length + max(COST_WIDTHS) <= most]
 
 
-def measure_contexts(forward: ModelForward) -> dict[int, dict[int, float]]:
-    """The one-row curve after each of `longer_contexts` cached tokens."""
-    return {length: measure_cost(forward, context=length) for length in longer_contexts(forward)}
+def measure_contexts(forward: ModelForward, longest: int) -> dict[int, dict[int, float]]:
+    """The one-row curve after `longer_contexts` cached tokens, up to the first that reaches `longest` (all a run
+    of contexts up to `longest` is priced from, and no 4k-token measurement for short prompts)."""
+    lengths = longer_contexts(forward)
+    reach = next((i for i, length in enumerate(lengths) if length >= longest), len(lengths) - 1)
+    return {length: measure_cost(forward, context=length) for length in lengths[: reach + 1]}
 
 
 def cost_model(forward: ModelForward, batched: bool = False, tree_masks: bool = True) -> CostModel:
