@@ -212,6 +212,17 @@ class TokenTrie:
                 feed = self._feeds[request] = _Feed(self._shared, self.ngram_length, flag)
             self._learn(feed, new_tokens)
 
+    def learn_answer(self, tokens: Sequence[int]) -> None:
+        """Learn a whole answer generated elsewhere (another replica) as its own generation would have.
+
+        The same n-grams and counts as `observe` (in any pieces) and `finish` give, and the same
+        weights as one piece: a replica applying another's answers drafts as one engine serving
+        both would (weights decide eviction only, never a draft).
+        """
+        _check_tokens(tokens)
+        with self._lock:
+            self._learn(_Feed(self._shared, self.ngram_length, OUTPUT), tokens)
+
     def _learn(self, feed: _Feed, tokens: Sequence[int]) -> None:
         weight = 1.0 if self.half_life is None else 2.0 ** (self._age / self.half_life)
         feed.push(tokens, self.boundary_ids, weight)
