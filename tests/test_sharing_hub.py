@@ -105,3 +105,12 @@ def test_metrics_of_live_members_only():
     assert hub.metrics() == {"a": "a 1\n", "b": "b 2\n"}
     clock.now = 6
     assert hub.metrics() == {"b": "b 2\n"}
+
+
+def test_acceptance_totals_of_the_others_past_members_included():
+    hub = AnswerHub()
+    assert hub.exchange_rates("a", [1.0, 2.0], [0.0, 1.0]) == ([0.0, 0.0], [0.0, 0.0])
+    hub.exchange_rates("b", [3.0, 0.0], [1.0, 0.0])
+    hub.leave("b")  # what b observed still counts for the others
+    assert hub.exchange_rates("c", [0.0, 0.0], [0.0, 0.0]) == ([4.0, 2.0], [1.0, 1.0])
+    assert hub.exchange_rates("a", [2.0, 2.0], [1.0, 1.0]) == ([3.0, 0.0], [1.0, 0.0])

@@ -137,3 +137,24 @@ def test_the_saver_reports_what_its_file_holds():
 def test_interval_must_be_positive():
     with pytest.raises(ValueError, match="interval_s"):
         TrieSync(TokenTrie(4), AnswerHub(), "a", interval_s=0)
+
+
+def test_acceptance_counts_are_shared_once_each_even_across_a_hub_restart():
+    from lookahead.drafting.policy import Calibration
+
+    link = FlakyHub()
+    mine, theirs = Calibration(2.0), Calibration(2.0)
+    author = TrieSync(TokenTrie(4), link, "author", calibration=theirs)
+    reader = TrieSync(TokenTrie(4), link, "reader", calibration=mine)
+    theirs.record(np.array([0, 0, 5]), np.array([1.0, 0.0, 1.0]))
+    author.sync_once()
+    reader.sync_once()
+    reader.sync_once()  # nothing new: nothing counted twice
+    assert mine.sent[[0, 5]].tolist() == [2.0, 1.0] and mine.accepted[[0, 5]].tolist() == [1.0, 1.0]
+    assert mine.observed[0].sum() == 0  # what others observed is not this replica's to share
+    link.hub = AnswerHub()  # restarted empty: the reader hears the author's totals again, but they did not grow
+    reader.sync_once()
+    theirs.record(np.array([5]), np.array([0.0]))
+    author.sync_once()
+    reader.sync_once()
+    assert mine.sent[[0, 5]].tolist() == [2.0, 2.0] and mine.accepted[[0, 5]].tolist() == [1.0, 1.0]

@@ -100,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--drain-timeout", type=float, default=5.0, help="seconds running requests may finish after SIGTERM/SIGINT"
     )
+    serve.add_argument(
+        "--replicas", type=int, default=1, help="copies of the server on Ray Serve, sharing their answers (needs [ray])"
+    )
+    serve.add_argument(
+        "--ray-address", default=None, help="join this Ray cluster (HOST:PORT) instead of starting a local one"
+    )
     add_trie_parser(commands)
     return parser
 

@@ -7,9 +7,12 @@ benchmarks/replay/), half through /v1/chat/completions with the prompt text and 
 /v1/completions with the prompt's token ids, and its streamed text must equal the recording.
 Prompts repeat during the run, as questions do in a service: repeats show what the shared trie
 earns. Reports requests served, errors, tokens per second, latency percentiles and the
-server's resident memory at start and end; writes loadcheck.json and loadcheck.md.
+server's resident memory at start and end; writes loadcheck.json and loadcheck.md. With
+`--replicas N` the server runs as N replicas on Ray Serve (sharing their answers): memory is
+then per replica (their mean), and the requests each replica served are counted.
 
     python -m lookahead.bench.loadcheck --clients 4 --duration 120 --out benchmarks/server
+    python -m lookahead.bench.loadcheck --clients 4 --duration 120 --replicas 2 --out benchmarks/server-2-replicas
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ import math
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -60,6 +65,7 @@ class Served:
     tokens: int
     first_token_s: float
     latency_s: float
+    replica: str
 
 
 def load_cases(path: Path, per_set: int, max_tokens: int) -> tuple[list[Case], Case]:
@@ -86,7 +92,7 @@ def load_cases(path: Path, per_set: int, max_tokens: int) -> tuple[list[Case], C
     return [case(record) for record in chosen], case(spare)
 
 
-def start_server(threads: int, max_queue: int, log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(threads: int, max_queue: int, log: Path, replicas: int = 1) -> tuple[subprocess.Popen, str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -103,10 +109,12 @@ def start_server(threads: int, max_queue: int, log: Path) -> tuple[subprocess.Po
         str(threads),
         "--max-queue",
         str(max_queue),
+        "--replicas",
+        str(replicas),
     ]
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 300 * replicas
     while time.monotonic() < deadline and process.poll() is None:
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
@@ -117,14 +125,19 @@ def start_server(threads: int, max_queue: int, log: Path) -> tuple[subprocess.Po
     raise RuntimeError(f"the server did not start; its log:\n{log.read_text()[-2000:]}")
 
 
-def server_metrics(url: str) -> dict[str, float]:
-    """The unlabelled samples of /metrics, by name."""
+def server_metrics(url: str) -> dict[str, list[float]]:
+    """The samples of /metrics labelled by nothing but their replica, by name: one value per replica."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+    values: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if set(sample.labels) <= {"replica"}:
+                values.setdefault(sample.name, []).append(sample.value)
+    return values
 
 
-def ask(client, case: Case, chat: bool, max_tokens: int) -> tuple[str, int, float, float]:
-    """One streamed request: text, completion tokens, seconds to the first text, seconds in all."""
+def ask(client, case: Case, chat: bool, max_tokens: int) -> tuple[str, int, float, float, str]:
+    """One streamed request: text, completion tokens, seconds to the first text, seconds in all, replica."""
     clock = time.perf_counter()
     common = {
         "model": MODEL,
@@ -134,9 +147,12 @@ def ask(client, case: Case, chat: bool, max_tokens: int) -> tuple[str, int, floa
         "stream_options": {"include_usage": True},
     }
     if chat:
-        chunks = client.chat.completions.create(messages=[{"role": "user", "content": case.text}], **common)
+        raw = client.chat.completions.with_raw_response.create(
+            messages=[{"role": "user", "content": case.text}], **common
+        )
     else:
-        chunks = client.completions.create(prompt=case.prompt_ids, **common)
+        raw = client.completions.with_raw_response.create(prompt=case.prompt_ids, **common)
+    replica, chunks = raw.headers.get("x-lookahead-replica", "one"), raw.parse()
     pieces, tokens, first = [], 0, None
     for chunk in chunks:
         if chunk.usage is not None:
@@ -146,7 +162,7 @@ def ask(client, case: Case, chat: bool, max_tokens: int) -> tuple[str, int, floa
             if piece:
                 first = first if first is not None else time.perf_counter() - clock
                 pieces.append(piece)
-    return "".join(pieces), tokens, first or 0.0, time.perf_counter() - clock
+    return "".join(pieces), tokens, first or 0.0, time.perf_counter() - clock, replica
 
 
 def run_clients(url: str, cases: list[Case], clients: int, duration: float, max_requests: int, max_tokens: int):
@@ -171,7 +187,7 @@ def run_clients(url: str, cases: list[Case], clients: int, duration: float, max_
                 seen.add(index)
             case, chat = cases[index], number % 2 == 0
             try:
-                text, tokens, first, latency = ask(client, case, chat, max_tokens)
+                text, tokens, first, latency, replica = ask(client, case, chat, max_tokens)
             except Exception as err:  # every failure is counted, and the run goes on
                 with lock:
                     errors.append(f"{type(err).__name__}: {err}")
@@ -187,6 +203,7 @@ def run_clients(url: str, cases: list[Case], clients: int, duration: float, max_
                         tokens,
                         first,
                         latency,
+                        replica,
                     )
                 )
 
@@ -195,7 +212,7 @@ def run_clients(url: str, cases: list[Case], clients: int, duration: float, max_
 
     def watch_memory() -> None:
         while not done.wait(5.0):
-            memory.append(server_metrics(url)["process_resident_memory_bytes"] / 2**20)
+            memory.append(statistics.mean(server_metrics(url)["process_resident_memory_bytes"]) / 2**20)
 
     clock = time.perf_counter()
     workers = [threading.Thread(target=client_loop) for _ in range(clients)]
@@ -245,6 +262,7 @@ def summarize(served: list[Served], errors: list[str], wall_s: float, rss: dict,
         "rss_end_mib": round(rss["end"] / 2**20, 1),
         "rss_growth_mib": round((rss["end"] - rss["start"]) / 2**20, 1),
         "rss_peak_mib": round(rss["peak"] / 2**20, 1),
+        "requests_by_replica": sorted(Counter(s.replica for s in served).values(), reverse=True),
     }
 
 
@@ -272,7 +290,8 @@ def write(
         f"{settings['clients']} concurrent streaming clients for {settings['duration_s']} s, {settings['max_tokens']} "
         f"new tokens per request, greedy, {settings['prompts']} recorded prompts in turn (half chat, half "
         f"completions with token ids); {env['machine']}, Python {env['python']}, torch {env['torch']}, "
-        f"transformers {env['transformers']}, {settings['threads']} torch threads in the server.",
+        f"transformers {env['transformers']}, {settings['threads']} torch threads in the server "
+        f"({settings['replicas']} replica(s); memory figures are per replica).",
         "",
         markdown_table(rows, ["measure", "value"]),
         "",
@@ -287,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-requests", type=int, default=500)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--per-set", type=int, default=2, help="recorded prompts per data set")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads in the server")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads in the server (in all its replicas)")
+    parser.add_argument("--replicas", type=int, default=1, help="serve with this many replicas on Ray Serve")
     parser.add_argument("--recording", default=str(RECORDING))
     parser.add_argument("--out", default="benchmarks/server")
     args = parser.parse_args(argv)
@@ -295,9 +315,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--clients must be 1..64, --duration 0..600 s and --max-requests at least 1")
     cases, spare = load_cases(Path(args.recording), args.per_set, args.max_tokens)
     with tempfile.TemporaryDirectory() as scratch:
-        process, url = start_server(args.threads, 2 * args.clients, Path(scratch) / "server.log")
+        threads = max(1, args.threads // args.replicas)
+        process, url = start_server(threads, 2 * args.clients, Path(scratch) / "server.log", args.replicas)
         try:
-            ask(openai.OpenAI(base_url=f"{url}/v1", api_key="unused"), spare, False, args.max_tokens)  # warm-up
+            for _ in range(args.replicas):  # warm-up (the router picks the less busy replica)
+                ask(openai.OpenAI(base_url=f"{url}/v1", api_key="unused"), spare, False, args.max_tokens)
             start = server_metrics(url)
             served, errors, wall_s, memory = run_clients(
                 url, cases, args.clients, args.duration, args.max_requests, args.max_tokens
@@ -307,14 +329,15 @@ def main(argv: list[str] | None = None) -> int:
             process.send_signal(signal.SIGTERM)
             process.wait(60)
     server = {
-        name: final[f"lookahead_{name}"] - start[f"lookahead_{name}"]
+        name: sum(final[f"lookahead_{name}"]) - sum(start[f"lookahead_{name}"])
         for name in ("generated_tokens_total", "forward_steps_total")
     }
-    server["trie_nodes"] = final["lookahead_trie_nodes"]
+    server["trie_nodes"] = max(final["lookahead_trie_nodes"])
+    resident = "process_resident_memory_bytes"
     rss = {
-        "start": start["process_resident_memory_bytes"],
-        "end": final["process_resident_memory_bytes"],
-        "peak": max([final["process_resident_memory_bytes"], *(m * 2**20 for m in memory)]),
+        "start": statistics.mean(start[resident]),
+        "end": statistics.mean(final[resident]),
+        "peak": max([statistics.mean(final[resident]), *(m * 2**20 for m in memory)]),
     }
     summary = summarize(served, errors, wall_s, rss, server)
     settings = {
@@ -323,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": args.max_tokens,
         "prompts": len(cases),
         "threads": args.threads,
+        "replicas": args.replicas,
         "max_requests": args.max_requests,
     }
     command = "python -m lookahead.bench.loadcheck " + shlex.join(argv if argv is not None else sys.argv[1:])

@@ -210,6 +210,8 @@ class Calibration:
         self.weight = weight
         self.sent = np.zeros(self.CELLS)
         self.accepted = np.zeros(self.CELLS)
+        self.observed = (np.zeros(self.CELLS), np.zeros(self.CELLS))
+        """(sent, accepted) per cell of every observation made here, never halved: what replicas share."""
         self._lock = threading.Lock()
 
     @classmethod
@@ -255,11 +257,23 @@ class Calibration:
 
     def record(self, cells: np.ndarray, outcomes: np.ndarray) -> None:
         with self._lock:
+            np.add.at(self.observed[0], cells, 1.0)
+            np.add.at(self.observed[1], cells, outcomes)
             np.add.at(self.sent, cells, 1.0)
             np.add.at(self.accepted, cells, outcomes)
-            full = self.sent > self.HALVE_AT
-            self.sent[full] /= 2
-            self.accepted[full] /= 2
+            self._halve_full()
+
+    def add(self, sent: np.ndarray, accepted: np.ndarray) -> None:
+        """Count observations made elsewhere (another replica's), as if they were made here (not `observed`)."""
+        with self._lock:
+            self.sent += sent
+            self.accepted += accepted
+            self._halve_full()
+
+    def _halve_full(self) -> None:
+        full = self.sent > self.HALVE_AT
+        self.sent[full] /= 2
+        self.accepted[full] /= 2
 
 
 TRIE_PRIOR = Calibration.trie_prior()

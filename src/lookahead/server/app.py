@@ -14,21 +14,25 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..decoding.engine import LookaheadEngine
+from ..sharing import TrieSync
 from . import errors, openapi
 from .errors import APIError
 from .exchange import Exchange
 from .generation import Plan, plan_chat, plan_completion
 from .guard import LimitBody, RequireApiKey
-from .metrics import CountRequests, Metrics
+from .metrics import CountRequests, Metrics, labelled
 from .persistence import TrieSaver
-from .scheduler import QueueFull, Scheduler, Stopping
+from .scheduler import Job, QueueFull, Scheduler, Stopping
 from .schemas import ChatRequest, CompletionRequest, GenerationRequest, Reply
+
+if TYPE_CHECKING:
+    from ..decoding.engine import LookaheadEngine
 
 ROUTES = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
 
@@ -53,11 +57,25 @@ Drain = Callable[[Callable[[], bool]], Awaitable[None]]
 """`app.state.drain(interrupted)`: stop taking requests and end the running ones (sooner once `interrupted()`)."""
 
 
-def create_app(engine: LookaheadEngine, settings: ServerSettings) -> FastAPI:
-    """An app serving `engine`; its lifespan starts the worker and keeps the trie file."""
+def create_app(engine: LookaheadEngine, settings: ServerSettings, sharing: TrieSync | None = None) -> FastAPI:
+    """An app serving `engine`; its lifespan starts the worker and keeps the trie file.
+
+    With `sharing` (a replica of several), every finished answer is shared with the other
+    replicas, /metrics shows every replica's series labelled by replica, and the trie file is
+    saved by one replica only (see persistence.py).
+    """
     scheduler = Scheduler(engine.batch(settings.max_batch), settings.max_queue)
-    metrics = Metrics(engine, scheduler)
+    metrics = Metrics(engine, scheduler, sharing)
     scheduler.on_finish = metrics.finished
+    if sharing is not None:
+        sharing.report = lambda: metrics.render().decode()
+
+        def finished(job: Job) -> None:
+            metrics.finished(job)
+            if job.started is not None:  # what a cancelled job generated was learned too
+                sharing.share([generation.transcript.tokens for generation in job.generations])
+
+        scheduler.on_finish = finished
     saver = None
     if settings.trie_path:
         saver = TrieSaver(
@@ -66,11 +84,14 @@ def create_app(engine: LookaheadEngine, settings: ServerSettings) -> FastAPI:
             settings.save_every_s,
             lambda: scheduler.completed,
             lambda result: metrics.trie_saves.labels(result).inc(),
+            sharing,
         )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         scheduler.start()
+        if sharing is not None:
+            await asyncio.to_thread(sharing.start)
         periodic = asyncio.create_task(saver.run()) if saver else None
         try:
             yield
@@ -78,7 +99,8 @@ def create_app(engine: LookaheadEngine, settings: ServerSettings) -> FastAPI:
             if periodic:
                 periodic.cancel()
             await asyncio.to_thread(scheduler.close)
-            if saver:
+            last = await asyncio.to_thread(sharing.stop) if sharing is not None else True
+            if saver and last:
                 await asyncio.to_thread(saver.save)
 
     app = FastAPI(title="Lookahead", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -132,7 +154,10 @@ def create_app(engine: LookaheadEngine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/metrics", response_class=Response, responses=openapi.PROMETHEUS)
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        if sharing is None:
+            return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        texts = {**await asyncio.to_thread(sharing.peer_metrics), sharing.replica: metrics.render().decode()}
+        return Response(labelled(texts), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", response_model=None, responses=openapi.MODEL_LIST)
     async def models() -> dict:

@@ -7,16 +7,18 @@ waited for its turn must not then fail on its input.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
 from ..config import SEED_LIMIT
-from ..decoding.engine import LookaheadEngine
 from ..decoding.generation import Generation
 from ..decoding.sampling import request_options
 from .errors import APIError
 from .schemas import ChatRequest, CompletionRequest, GenerationRequest
+
+if TYPE_CHECKING:
+    from ..decoding.engine import LookaheadEngine
 
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 FALLBACK_CONTEXT = 2048  # for a model that does not state its context length

@@ -1,5 +1,8 @@
 """`lookahead serve`: load the trie, build the engine and the app, run uvicorn until SIGINT or SIGTERM.
 
+With `--replicas N` (N > 1) or `--ray-address`, the same app runs as N replicas on Ray Serve
+instead (replicas.py).
+
 Either signal starts a drain while the socket still listens: new and queued requests are
 answered 503 at once, and running generations get `--drain-timeout` seconds to finish before
 they are ended with an error event (a second signal ends them at once). Then uvicorn's own
@@ -16,14 +19,17 @@ import signal
 import socket
 from collections.abc import Callable
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 
-from ..decoding.engine import LookaheadEngine
 from ..drafting.trie import TokenTrie
-from ..models import DEFAULT_MODEL
 from .app import Drain, ServerSettings, create_app
 from .persistence import load_trie
+from .replicas import check_replica_options, serve_replicas
+
+if TYPE_CHECKING:
+    from ..decoding.engine import LookaheadEngine
 
 GRACEFUL_SHUTDOWN_S = 5
 """uvicorn's wait for connections after the drain: by then every answer has ended, so it is short."""
@@ -64,7 +70,12 @@ def serve(
         raise ValueError(f"--save-every must be a positive number of minutes, got {args.save_every}")
     if not 0 <= args.drain_timeout < math.inf:
         raise ValueError(f"--drain-timeout must be a finite number of seconds >= 0, got {args.drain_timeout}")
+    on_ray = args.replicas != 1 or args.ray_address is not None
+    if on_ray:
+        check_replica_options(args)
     trie = load_trie(args.trie_path)  # before the model loads: a bad path fails in a second, not after it
+    from ..models import DEFAULT_MODEL  # transformers: seconds to import, so after the checks
+
     settings = ServerSettings(
         model_name=args.model or DEFAULT_MODEL,
         api_key=args.api_key,
@@ -75,6 +86,8 @@ def serve(
         drain_timeout_s=args.drain_timeout,
     )
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+    if on_ray:
+        return serve_replicas(args, settings, make_engine)  # each replica loads the trie itself
     if trie is not None:
         log.info("trie loaded from %s (%d nodes)", args.trie_path, len(trie))
     app = create_app(make_engine(args, trie), settings)

@@ -7,17 +7,25 @@ memory stays flat.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..decoding.engine import LookaheadEngine
+from ..sharing import TrieSync
 from .scheduler import Job, Scheduler
+
+if TYPE_CHECKING:
+    from ..decoding.engine import LookaheadEngine
 
 _LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300)
 
 
 class Metrics:
-    def __init__(self, engine: LookaheadEngine, scheduler: Scheduler) -> None:
+    def __init__(self, engine: LookaheadEngine, scheduler: Scheduler, sharing: TrieSync | None = None) -> None:
         self.registry = registry = CollectorRegistry()
         ProcessCollector(registry=registry)
         self.http = Counter(
@@ -75,6 +83,19 @@ class Metrics:
         Gauge("lookahead_trie_nodes", "Nodes in the shared trie", registry=registry).set_function(
             lambda: len(engine.trie)
         )
+        if sharing is not None:
+            answers = Gauge(
+                "lookahead_shared_answers",
+                "Answers shared with the other replicas: published, applied (theirs, learned here), missed "
+                "(dropped by the hub before this replica read them), given_up (never published: the hub was away)",
+                ["kind"],
+                registry=registry,
+            )
+            for kind in ("published", "applied", "missed", "given_up"):
+                answers.labels(kind).set_function(lambda kind=kind: getattr(sharing, kind))
+            Gauge("lookahead_sharing_failures", "Exchanges with the hub that failed", registry=registry).set_function(
+                lambda: sharing.failures
+            )
 
     def finished(self, job: Job) -> None:
         """Record one ended job (called once per job, from the scheduler)."""
@@ -91,6 +112,28 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Families:
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
+
+
+def labelled(texts: dict[str, str]) -> bytes:
+    """Several replicas' metrics texts as one exposition: every series gets a `replica` label."""
+    families: dict[str, Metric] = {}
+    for replica, text in sorted(texts.items()):
+        for family in text_string_to_metric_families(text):
+            merged = families.get(family.name)
+            if merged is None:
+                merged = families[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+            merged.samples += [
+                sample._replace(labels={**sample.labels, "replica": replica}) for sample in family.samples
+            ]
+    return generate_latest(_Families(list(families.values())))  # type: ignore[arg-type]
 
 
 class CountRequests:

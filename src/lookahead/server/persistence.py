@@ -3,6 +3,10 @@
 `TokenTrie.save` snapshots the trie under its lock (saves run while requests are served) and
 writes a temporary file that replaces the target in one step, so a crash or a failed save
 leaves the last good file as it was; here a failure is logged and counted, never raised.
+Replicas that share their answers hold the same trie, so one of them saves it: the hub's
+chosen saver periodically, the last to stop at shutdown; it learns everything published
+before each save, and tells the hub how far the file reaches (a restarted replica reads on
+from there).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from pathlib import Path
 
 from ..drafting.trie import TokenTrie
 from ..drafting.triefile import remove_stale_scratch
+from ..sharing import TrieSync
 
 log = logging.getLogger("lookahead.server")
 
@@ -39,7 +44,10 @@ def load_trie(path: str | os.PathLike | None) -> TokenTrie | None:
 
 
 class TrieSaver:
-    """Saves `trie` every `every_s` seconds when requests have ended since, and on demand."""
+    """Saves `trie` every `every_s` seconds when requests have ended since, and on demand.
+
+    With `sharing`, the periodic saves are left to the replica the hub picks.
+    """
 
     def __init__(
         self,
@@ -48,14 +56,17 @@ class TrieSaver:
         every_s: float,
         changes: Callable[[], int],
         record: Callable[[str], None] = lambda result: None,
+        sharing: TrieSync | None = None,
     ) -> None:
         self.trie, self.path, self.every_s = trie, Path(path), every_s
         self._changes, self._record = changes, record
+        self.sharing = sharing
         self._saved_at = changes()
 
     def save(self) -> bool:
         """One save; a failure is logged and counted, never raised (the last good file stays)."""
         seen = self._changes()
+        position = self.sharing.before_save() if self.sharing else 0
         try:
             self.trie.save(self.path)
         except Exception:
@@ -63,6 +74,8 @@ class TrieSaver:
             self._record("error")
             return False
         self._saved_at = seen
+        if self.sharing:
+            self.sharing.saved(position)
         self._record("ok")
         log.info("trie saved to %s (%d nodes)", self.path, len(self.trie))
         return True
@@ -71,5 +84,8 @@ class TrieSaver:
         """The periodic saves, off the event loop; cancel the task to stop them."""
         while True:
             await asyncio.sleep(self.every_s)
-            if self._changes() != self._saved_at:
+            if self.sharing is not None:
+                if await asyncio.to_thread(self.sharing.is_saver):
+                    await asyncio.to_thread(self.save)
+            elif self._changes() != self._saved_at:
                 await asyncio.to_thread(self.save)

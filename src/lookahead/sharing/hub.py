@@ -16,6 +16,10 @@ and the tests use it directly. What it keeps:
 - members: who joined, who was heard from lately, who saves the trie file (the longest
   joined live member, so periodic saves are not written by every replica), and the position
   the last save covered, which a restarted replica starts reading from after loading it.
+- each member's calibration: its running totals of draft nodes sent and accepted per cell
+  (the policy's acceptance rates), posted every round; a reader gets the others' sums and
+  learns what grew since it last read. Totals only grow, so a repost is harmless and a
+  restarted hub is filled again by the next round.
 - each member's latest metrics text, so one scrape of any replica sees them all.
 
 `epoch` names this log: a hub that was restarted (its actor died and Ray made a new one)
@@ -82,6 +86,7 @@ class AnswerHub:
         self._tokens = 0
         self._members: dict[str, _Member] = {}
         self._joins = 0
+        self._rates: dict[str, tuple[list[float], list[float]]] = {}  # replica -> observed (sent, accepted) totals
         self.dropped = 0
 
     # ---- members ------------------------------------------------------------------------
@@ -153,6 +158,21 @@ class AnswerHub:
             _, _, tokens = self._log.popleft()
             self._tokens -= len(tokens)
             self.dropped += 1
+
+    # ---- calibration --------------------------------------------------------------------
+
+    def exchange_rates(
+        self, replica: str, sent: Sequence[float], accepted: Sequence[float]
+    ) -> tuple[list[float], list[float]]:
+        """Keep `replica`'s observed totals; the sums of every other replica's (past members' included)."""
+        self._heard(replica)
+        self._rates[replica] = ([float(x) for x in sent], [float(x) for x in accepted])
+        others = [totals for name, totals in self._rates.items() if name != replica]
+        cells = len(sent)
+        return (
+            [sum(totals[0][i] for totals in others) for i in range(cells)],
+            [sum(totals[1][i] for totals in others) for i in range(cells)],
+        )
 
     # ---- metrics ------------------------------------------------------------------------
 
