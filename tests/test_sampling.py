@@ -128,7 +128,10 @@ DRAWS = 15_000
 
 @pytest.fixture(scope="module")
 def tiny_engine():
-    model = tiny_model("llama", vocab_size=16, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    """One layer: tens of thousands of draws are all per-forward overhead, which grows with the layers."""
+    model = tiny_model(
+        "llama", vocab_size=16, eos_token_id=None, bos_token_id=None, pad_token_id=None, num_hidden_layers=1
+    )
     model.generation_config.eos_token_id = None
     engine = LookaheadEngine(model, None, LookaheadConfig(decoding_length=8, branch_length=3, policy="fixed"))
     assert engine.draft_mode == "tree"

@@ -89,6 +89,7 @@ def serve_replicas(
     started_ray = not args.ray_address
     try:
         if started_ray:
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # a Ray of our own reports to no one
             ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, logging_level=logging.WARNING)
         else:
             ray.init(address=args.ray_address, logging_level=logging.WARNING)
