@@ -1,4 +1,5 @@
-"""The house's import rules: the drafting core and the step loop never load torch; `import lookahead` is cheap."""
+"""The house's import rules: the drafting core, sharing and the step loop never load torch (or Ray); `import
+lookahead` is cheap."""
 
 import subprocess
 import sys
@@ -19,6 +20,8 @@ TORCH_FREE = [
     "lookahead.decoding.step",
     "lookahead.decoding.batch",
     "lookahead.bench.replay",
+    "lookahead.bench.sharing",
+    "lookahead.sharing",
 ]
 
 
@@ -31,7 +34,7 @@ def _loaded_after(code: str) -> set[str]:
 
 @pytest.mark.parametrize("module", TORCH_FREE)
 def test_imports_without_torch_or_transformers(module):
-    assert not _loaded_after(f"import {module}") & {"torch", "transformers"}
+    assert not _loaded_after(f"import {module}") & {"torch", "transformers", "ray"}
 
 
 def test_a_trie_is_built_used_and_saved_without_torch(tmp_path):
