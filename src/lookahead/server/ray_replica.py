@@ -158,5 +158,6 @@ def deployment(plan: ReplicaPlan, replicas: int, resources: dict[str, float]) ->
         ray_actor_options=resources,
         max_ongoing_requests=settings.max_batch + settings.max_queue + 8,  # the replica's own queue answers 503
         graceful_shutdown_timeout_s=settings.drain_timeout_s + STOP_MARGIN_S,
+        max_constructor_retry_count=2,  # a replica that cannot load its model will not on a 20th try
         deployment_actors=[hub],
     ).bind(plan)

@@ -103,7 +103,10 @@ def serve_replicas(
 
         app = deployment(ReplicaPlan(replica_args, make_engine, settings), args.replicas, resources)
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        try:
+            serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)  # waits until the replicas serve
+        except RuntimeError as err:  # a replica that cannot start (a bad --model, say): its log above says why
+            raise ValueError(f"the replicas did not start: {str(err).splitlines()[0]}") from None
         log.info("serving on http://%s:%d: %d replicas, %s each", args.host, args.port, args.replicas, resources)
         stop.wait()
         stop.clear()
