@@ -75,10 +75,15 @@ def serve(header: dict, requests: list[dict], replicas: int, shared: bool, lag: 
     return served
 
 
-def tokens_per_step(served: list[ReplayStats]) -> float:
+def pooled(served: list[ReplayStats]) -> ReplayStats:
     total = ReplayStats()
     for stats in served:
         total.add(stats)
+    return total
+
+
+def tokens_per_step(served: list[ReplayStats]) -> float:
+    total = pooled(served)
     return total.new_tokens / total.steps if total.steps else 0.0
 
 
@@ -96,9 +101,7 @@ def compare(name: str, header: dict, records: list[dict]) -> list[dict]:
             settings = [("one", 0)] if replicas == 1 else [("isolated", 0), *(("shared", lag) for lag in LAGS)]
             for tries, lag in settings:
                 served = one if replicas == 1 else serve(header, requests, replicas, tries == "shared", lag)
-                total = ReplayStats()
-                for stats in served:
-                    total.add(stats)
+                total = pooled(served)
                 per_replica = [
                     tokens_per_step(served[r::replicas]) / tokens_per_step(one[r::replicas]) for r in range(replicas)
                 ]

@@ -66,16 +66,15 @@ def create_app(engine: LookaheadEngine, settings: ServerSettings, sharing: TrieS
     """
     scheduler = Scheduler(engine.batch(settings.max_batch), settings.max_queue)
     metrics = Metrics(engine, scheduler, sharing)
-    scheduler.on_finish = metrics.finished
     if sharing is not None:
         sharing.report = lambda: metrics.render().decode()
 
-        def finished(job: Job) -> None:
-            metrics.finished(job)
-            if job.started is not None:  # what a cancelled job generated was learned too
-                sharing.share([generation.transcript.tokens for generation in job.generations])
+    def finished(job: Job) -> None:
+        metrics.finished(job)
+        if sharing is not None and job.started is not None:  # what a cancelled job generated was learned too
+            sharing.share([generation.transcript.tokens for generation in job.generations])
 
-        scheduler.on_finish = finished
+    scheduler.on_finish = finished
     saver = None
     if settings.trie_path:
         saver = TrieSaver(

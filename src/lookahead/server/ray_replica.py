@@ -19,7 +19,7 @@ import ray
 from ray import serve
 from ray.serve.config import DeploymentActorConfig
 
-from ..sharing import AnswerHub, Delivery, TrieSync
+from ..sharing import AnswerHub, TrieSync
 from .app import ServerSettings, create_app
 from .persistence import load_trie
 
@@ -61,32 +61,9 @@ class RayHub:
             self._handle = None
             raise
 
-    def join(self, replica: str, tokenizer_id: str | None) -> tuple[str, int]:
-        return self._ask("join", replica, tokenizer_id)
-
-    def leave(self, replica: str) -> bool:
-        return self._ask("leave", replica)
-
-    def saver(self) -> str | None:
-        return self._ask("saver")
-
-    def saved(self, replica: str, position: int) -> None:
-        self._ask("saved", replica, position)
-
-    def publish(self, replica: str, tokenizer_id: str | None, answers: list[tuple[int, list[int]]]) -> int:
-        return self._ask("publish", replica, tokenizer_id, answers)
-
-    def since(self, replica: str, epoch: str | None, position: int) -> Delivery:
-        return self._ask("since", replica, epoch, position)
-
-    def exchange_rates(self, replica: str, sent: list[float], accepted: list[float]) -> tuple[list[float], list[float]]:
-        return self._ask("exchange_rates", replica, sent, accepted)
-
-    def post_metrics(self, replica: str, text: str) -> None:
-        self._ask("post_metrics", replica, text)
-
-    def metrics(self) -> dict[str, str]:
-        return self._ask("metrics")
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        """Every method of the Hub protocol (sharing/sync.py), as a call to the actor's method of that name."""
+        return lambda *args: self._ask(method, *args)
 
 
 @dataclass(frozen=True)
