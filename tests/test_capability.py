@@ -4,6 +4,7 @@ import functools
 import warnings
 
 import pytest
+import torch
 from tiny_models import tiny_model
 
 from lookahead import LookaheadConfig, LookaheadEngine
@@ -26,17 +27,36 @@ def test_a_model_that_takes_tree_masks_probes_as_tree_without_a_warning():
         assert probe_draft_mode(ModelForward(tiny_model("llama"))) == "tree"
 
 
+def _causal_only(forward, calls: list[int]):
+    def run(*args, attention_mask=None, **kwargs):
+        calls.append(1)
+        if attention_mask is not None and attention_mask.dim() == 4:
+            attention_mask = None  # silently ignores the tree: every node sees every earlier block entry
+        return forward(*args, attention_mask=attention_mask, **kwargs)
+
+    return run
+
+
 def test_a_model_that_misreads_the_tree_mask_falls_back_with_the_reason():
-    def causal_only(forward):
-        def run(*args, attention_mask=None, **kwargs):
-            if attention_mask is not None and attention_mask.dim() == 4:
-                attention_mask = None  # silently ignores the tree: every node sees every earlier block entry
-            return forward(*args, attention_mask=attention_mask, **kwargs)
-
-        return run
-
+    model = _patched(functools.partial(_causal_only, calls=[]))
     with pytest.warns(UserWarning, match=r"fall back to single paths \(logits at draft node \d+ differ"):
-        assert probe_draft_mode(ModelForward(_patched(causal_only))) == "chain"
+        assert probe_draft_mode(ModelForward(model)) == "chain"
+
+
+def test_a_model_is_probed_once_and_every_engine_on_it_warns():
+    calls: list[int] = []
+    model = _patched(functools.partial(_causal_only, calls=calls))
+    with pytest.warns(UserWarning, match="fall back to single paths"):
+        first = LookaheadEngine(model, None, LookaheadConfig(policy="fixed"))
+    probed = len(calls)
+    with pytest.warns(UserWarning, match="fall back to single paths"):
+        second = LookaheadEngine(model, None, LookaheadConfig(policy="fixed"))
+    assert len(calls) == probed > 0, "the second engine ran no probe"
+    assert first.draft_mode == second.draft_mode == "chain"
+    model.to(torch.float64)  # what it computes with changed: probed again
+    with pytest.warns(UserWarning, match="fall back to single paths"):
+        LookaheadEngine(model, None, LookaheadConfig(policy="fixed"))
+    assert len(calls) > probed
 
 
 def test_a_model_that_fails_both_probes_turns_drafting_off_with_both_reasons(tokenizer):

@@ -3,13 +3,17 @@
 Some architectures derive positions or biases from a 2-D padding mask (OPT, ALiBi models)
 and silently misread a 4-D one. Rather than keep a list of names, we run a tiny tree through
 the model and compare every node's logits with the plain causal computation of its path.
-A model that fails gets single-path drafts (or none), with a warning that says why.
+A model that fails gets single-path drafts (or none), with a warning that says why. Each
+probe runs once per model (and dtype, device, attention implementation): every later engine
+on the same model reuses the answer, and repeats the warning.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Literal
+import weakref
+from collections.abc import Callable
+from typing import Literal, TypeVar
 
 import torch
 from transformers import Cache
@@ -26,6 +30,19 @@ _CHAIN = DraftTree(tokens=[11, 13, 14], parents=[0, 1, 2])
 _PREFIX = [5, 6, 7, 8, 9, 10]
 _ROOT = 4
 _NEXT = 15
+
+T = TypeVar("T")
+_ANSWERS: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, object]] = weakref.WeakKeyDictionary()
+
+
+def _once(forward: ModelForward, question: str, probe: Callable[[], T]) -> T:
+    """`probe()`'s answer for this model, computed the first time it is asked: the same weights answer the same."""
+    model = forward.model
+    key = (question, model.dtype, str(forward.device), getattr(model.config, "_attn_implementation", None))
+    answers = _ANSWERS.setdefault(model, {})
+    if key not in answers:
+        answers[key] = probe()
+    return answers[key]  # type: ignore[return-value]
 
 
 def _gap(got: torch.Tensor, want: torch.Tensor) -> float | None:
@@ -82,6 +99,14 @@ def check_cached_decoding(forward: ModelForward) -> None:
 
     This catches a model (or transformers version) that silently ignores the cache it is given.
     """
+    if _once(forward, "cached decoding", lambda: _cache_gap(forward)) is not None:
+        raise RuntimeError(
+            f"{type(forward.model).__name__} does not continue from the cache the engine passes it: "
+            "this model or transformers version is not supported"
+        )
+
+
+def _cache_gap(forward: ModelForward) -> float | None:
     vocab = forward.vocab_size
     prefix, root = [t % vocab for t in _PREFIX], _ROOT % vocab
     with torch.inference_mode():
@@ -89,11 +114,7 @@ def check_cached_decoding(forward: ModelForward) -> None:
         forward(cache, prefix, 0)
         got = forward(cache, [root], len(prefix))[-1]
         want = _plain_logits(forward, [*prefix, root])[-1]
-    if _gap(got, want) is not None:
-        raise RuntimeError(
-            f"{type(forward.model).__name__} does not continue from the cache the engine passes it: "
-            "this model or transformers version is not supported"
-        )
+    return _gap(got, want)
 
 
 def probe_draft_mode(forward: ModelForward) -> DraftMode:
@@ -101,6 +122,14 @@ def probe_draft_mode(forward: ModelForward) -> DraftMode:
 
     A fallback warns with the reason, so a model that loses tree drafts never does so silently.
     """
+    mode, warning = _once(forward, "draft mode", lambda: _draft_mode(forward))
+    if warning is not None:
+        warnings.warn(warning, stacklevel=3)
+    return mode
+
+
+def _draft_mode(forward: ModelForward) -> tuple[DraftMode, str | None]:
+    """The mode, and the warning a fallback gives."""
     name = type(forward.model).__name__
     reasons = []
     for mode, tree in (("tree", _TREE), ("chain", _CHAIN)):
@@ -109,13 +138,11 @@ def probe_draft_mode(forward: ModelForward) -> DraftMode:
         except Exception as err:  # a model may refuse a 4-D mask outright: that too means "not this mode"
             reason = f"{type(err).__name__}: {err}"
         if reason is None:
-            if reasons:
-                warnings.warn(f"{name}: tree drafts fall back to single paths ({reasons[0]})", stacklevel=3)
-            return mode  # type: ignore[return-value]
+            fallback = f"{name}: tree drafts fall back to single paths ({reasons[0]})" if reasons else None
+            return mode, fallback  # type: ignore[return-value]
         reasons.append(reason)
-    warnings.warn(f"{name}: drafting is off, this model verifies neither trees ({reasons[0]}) nor paths "
-                  f"({reasons[1]}); decoding is plain", stacklevel=3)  # fmt: skip
-    return "off"
+    return "off", (f"{name}: drafting is off, this model verifies neither trees ({reasons[0]}) nor paths "
+                   f"({reasons[1]}); decoding is plain")  # fmt: skip
 
 
 def _prefilled(forward: ModelForward, prefix: list[int]) -> Cache:
@@ -156,16 +183,20 @@ def probe_batching(forward: ModelForward, mode: DraftMode) -> bool:
     Without it, a batch of generations is verified one generation at a time: still exact,
     only slower.
     """
-    name = type(forward.model).__name__
-    if mode == "off":
-        reason = "it verifies no drafts, not even single paths"
-    elif has_sliding_layers(forward.new_cache()):
-        reason = "its sliding-window layers keep one length for all rows"
-    else:
-        try:
-            reason = _batch_mismatch(forward, mode)
-        except Exception as err:
-            reason = f"{type(err).__name__}: {err}"
+    reason = _once(forward, f"batching {mode}", lambda: _no_batching(forward, mode))
     if reason is not None:
+        name = type(forward.model).__name__
         warnings.warn(f"{name}: generations are verified one at a time, not batched ({reason})", stacklevel=3)
     return reason is None
+
+
+def _no_batching(forward: ModelForward, mode: DraftMode) -> str | None:
+    """Why rows of different lengths cannot be verified together; None if they can."""
+    if mode == "off":
+        return "it verifies no drafts, not even single paths"
+    if has_sliding_layers(forward.new_cache()):
+        return "its sliding-window layers keep one length for all rows"
+    try:
+        return _batch_mismatch(forward, mode)
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
