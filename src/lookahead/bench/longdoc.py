@@ -5,8 +5,10 @@ lookahead and by plain greedy decoding, in alternating order, twice: on a fresh 
 empty trie and rates: the first request a service sees) and on one warm engine that has
 answered questions on other documents first. Reported per length and phase: speedup
 (plain seconds / lookahead seconds, whole request with prefill), tokens per step, time to
-first token of both, whether the outputs are identical; and, without the model, what
-indexing a prompt costs per token (time and retained bytes) up to 32k tokens.
+first token of both, whether the outputs are identical; then time to first token alone at
+one length, many times over, each run on a fresh engine (the only work lookahead adds
+before the first token is indexing the prompt); and, without the model, what indexing a
+prompt costs per token (time and retained bytes) up to 32k tokens.
 
     python -m lookahead.bench.longdoc --out benchmarks/longdoc-smollm2-135m
 """
@@ -35,6 +37,8 @@ WARMUP_QUESTIONS = 4
 COLUMNS = ["length", "phase", "prompts", "speedup", "tokens_per_step", "draft_per_step", "ttft_lookahead_s",
            "ttft_plain_s", "exact_match"]  # fmt: skip
 INDEX_COLUMNS = ["tokens", "index_us_per_token", "index_bytes_per_token"]
+FIRST_TOKEN_COLUMNS = ["prompt_tokens", "runs", "ttft_lookahead_s", "ttft_plain_s", "difference_pct",
+                       "pair_differences_pct"]  # fmt: skip
 
 
 def timed(engine: LookaheadEngine, ids: list[int], new_tokens: int, lookahead: bool) -> dict:
@@ -79,6 +83,24 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
+def first_token(model, tokenizer, ids: list[int], runs: int) -> dict:
+    """Time to first token of `ids`, lookahead and plain alternating `runs` times each, every run on a fresh engine.
+
+    Medians, how much longer lookahead took (%) and the range of that over the pairs: a pair runs
+    back to back, so a slow moment of a shared machine moves both of its runs.
+    """
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for run in range(runs):
+        for lookahead in (True, False) if run % 2 == 0 else (False, True):
+            times[lookahead].append(timed(LookaheadEngine(model, tokenizer), ids, 2, lookahead)["ttft"])
+    fast, plain = statistics.median(times[True]), statistics.median(times[False])
+    pairs = [(a / b - 1) * 100 for a, b in zip(times[True], times[False], strict=True)]
+    return {"prompt_tokens": len(ids), "runs": runs, "ttft_lookahead_s": round(fast, 3),
+            "ttft_plain_s": round(plain, 3), "difference_pct": round((fast / plain - 1) * 100, 2),
+            "pair_differences_pct": f"{min(pairs):+.1f} to {max(pairs):+.1f}", "lookahead_s": times[True],
+            "plain_s": times[False]}  # fmt: skip
+
+
 def index_cost(prompt: list[int], repeats: int = 5) -> dict:
     """Median time per token of indexing `prompt` for a request, and the bytes the index keeps per token."""
     trie = TokenTrie()
@@ -99,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="prompt lengths in tokens")
     parser.add_argument("--per-length", type=int, default=2, help="questions per length")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--ttft-length", type=int, default=4096, help="prompt tokens of the time-to-first-token runs")
+    parser.add_argument("--ttft-runs", type=int, default=7, help="time-to-first-token runs of each method (0: none)")
     parser.add_argument("--index-lengths", default=",".join(map(str, INDEX_LENGTHS)), help="prompt indexing, tokens")
     parser.add_argument("--out", default="bench-out/longdoc")
     args = parser.parse_args(argv)
@@ -128,6 +152,12 @@ def main(argv: list[str] | None = None) -> int:
         row = compare(warm, prompt_ids, args.max_new_tokens, i % 2 == 1)
         rows.append({"length": int(prompt.key.split("/")[1]), "phase": "warm engine", "key": prompt.key, **row})
         print(rows[-1], flush=True)
+    firsts = []
+    if args.ttft_runs > 0:
+        (question,) = doc_prompts(count, [min(args.ttft_length, context - 8)], 1)
+        question_ids = engine.chat_ids([{"role": "user", "content": question.text}])
+        firsts.append(first_token(model, tokenizer, question_ids, args.ttft_runs))
+        print(firsts[-1], flush=True)
     everything = tokenizer(documentation())["input_ids"]
     indexing = [index_cost(everything[:n]) for n in map(int, args.index_lengths.split(","))]
     summary = summarize(rows)
@@ -137,13 +167,20 @@ def main(argv: list[str] | None = None) -> int:
         "environment": environment(),
         "settings": vars(args),
         "summary": summary,
+        "first_token": firsts,
         "indexing": indexing,
         "results": rows,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "longdoc.json").write_text(json.dumps(result, indent=1) + "\n")
-    tables = markdown_table(summary, COLUMNS) + "\n\n" + markdown_table(indexing, INDEX_COLUMNS)
+    tables = "\n\n".join(
+        [
+            markdown_table(summary, COLUMNS),
+            markdown_table(firsts, FIRST_TOKEN_COLUMNS),
+            markdown_table(indexing, INDEX_COLUMNS),
+        ]
+    )
     (out / "longdoc.md").write_text(tables + "\n")
     print(tables)
     return 0
