@@ -134,7 +134,7 @@ def test_real_prompts_in_batches_with_rows_joining_and_leaving_equal_generate(de
     chosen = [key for number, key in enumerate(greedy_references) if number % 10 < 6]  # 6 prompts of each set
     ids = [greedy_references[key][0] for key in chosen]
     assert len(ids) == 24 and len({len(x) for x in ids}) > 12, "prompts of mixed lengths"
-    lengths = [16 + 8 * (i % 4) for i in range(len(ids))]  # 16-40: rows end apart, others join
+    lengths = [12 + 4 * (i % 4) for i in range(len(ids))]  # 12-24: rows end apart, others join
     want = [greedy_references[key][1][:n] for key, n in zip(chosen, lengths, strict=True)]  # greedy: prefixes
     adaptive = LookaheadEngine(model, tokenizer)  # the default, priced by batched steps: may send no drafts
     fixed = LookaheadEngine(model, tokenizer, LookaheadConfig(policy="fixed"))  # whole trees: wide padded blocks

@@ -50,12 +50,15 @@ def test_bad_recording_file(tmp_path):
     assert main(["replay", str(tmp_path / "missing.jsonl")]) == 2
 
 
+TOKENS = 24  # a few steps of drafting and accepting a prompt, for both the real run and its replay
+
+
 @pytest.fixture(scope="module")
 def recording(default_model, tmp_path_factory):
     model, tokenizer = default_model
     prompts = load_prompts(["code-edit", "gsm8k"], 2)
     path = tmp_path_factory.mktemp("replay") / "rec.jsonl"
-    record(LookaheadEngine(model, tokenizer), prompts, 40, path)
+    record(LookaheadEngine(model, tokenizer), prompts, TOKENS, path)
     return prompts, path
 
 
@@ -77,7 +80,7 @@ def test_replay_equals_a_real_run(default_model, recording, config):
     steps: dict[str, int] = {}
     drafted: dict[str, int] = {}
     for prompt, rec in zip(prompts, records, strict=True):
-        out = real.generate(rec["prompt_ids"], max_new_tokens=40)
+        out = real.generate(rec["prompt_ids"], max_new_tokens=TOKENS)
         assert out.token_ids == rec["output_ids"]
         steps[prompt.dataset] = steps.get(prompt.dataset, 0) + out.stats.steps
         drafted[prompt.dataset] = drafted.get(prompt.dataset, 0) + out.stats.draft_tokens

@@ -234,7 +234,7 @@ def test_eight_concurrent_clients_get_exact_outputs(url, engine):
 def test_clients_leaving_mid_stream_leave_the_batch_and_the_others_stay_exact(url, engine):
     """Six streams run together; two hang up after a few chunks; the four others end exactly as alone."""
     questions = ["Name three colours.", "What is an integer?", "Say hello in French.", "What is a tuple?"]
-    expected = {q: engine.chat([{"role": "user", "content": q}], 40).text for q in questions}
+    expected = {q: engine.chat([{"role": "user", "content": q}], TOKENS).text for q in questions}
     cancelled = metric(url, "lookahead_generations_total", endpoint="completions", outcome="cancelled")
     seen_batch = []
 
@@ -248,7 +248,8 @@ def test_clients_leaving_mid_stream_leave_the_batch_and_the_others_stay_exact(ur
 
     def ask(question: str) -> str:
         own = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
-        call = {"model": MODEL, "messages": [{"role": "user", "content": question}], "max_tokens": 40, "temperature": 0}
+        call = {"model": MODEL, "messages": [{"role": "user", "content": question}], "max_tokens": TOKENS,
+                "temperature": 0}  # fmt: skip
         return stream_text(own.chat.completions.create(stream=True, **call))[0]
 
     with ThreadPoolExecutor(6) as pool:
