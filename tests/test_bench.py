@@ -119,6 +119,7 @@ def test_batch_benchmark_on_a_few_prompts(tmp_path):
 
 
 def test_long_document_benchmark_on_short_documents(tmp_path):
+    from lookahead.bench.longdoc import FIRST_TOKEN_COLUMNS
     from lookahead.bench.longdoc import main as longdoc_main
 
     args = ["--lengths", "400", "--per-length", "1", "--max-new-tokens", "8", "--index-lengths", "500,2000",
@@ -130,6 +131,7 @@ def test_long_document_benchmark_on_short_documents(tmp_path):
         assert row["exact"] and row["length"] - 64 <= row["prompt_tokens"] <= row["length"]
         assert row["lookahead_s"] > 0 and row["plain_s"] > 0 and 0 < row["ttft_lookahead_s"] < row["lookahead_s"]
     (first,) = result["first_token"]
+    assert set(FIRST_TOKEN_COLUMNS) <= first.keys() and first["outside_prefill_lookahead_ms"] >= 0
     assert first["runs"] == len(first["lookahead_s"]) == len(first["plain_s"]) == 2
     assert 300 - 64 <= first["prompt_tokens"] <= 300 and min(first["lookahead_s"] + first["plain_s"]) > 0
     assert [row["tokens"] for row in result["indexing"]] == [500, 2000]
