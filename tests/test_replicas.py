@@ -8,6 +8,7 @@ for every test that serves; the tests run in file order and build on each other'
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import signal
@@ -63,6 +64,14 @@ def test_bad_scale_out_set_ups_are_one_line_and_exit_2(capsys, monkeypatch):
         missing
         == "lookahead: error: --replicas needs Ray Serve, and ray is not installed: pip install 'lookahead[ray]'"
     )
+
+
+def test_the_hub_handle_forwards_only_the_protocols_names():
+    from lookahead.server.ray_replica import RayHub
+
+    hub = RayHub(lambda: pytest.fail("no actor is looked up for a private or special name"))
+    assert not hasattr(hub, "_missing") and not hasattr(hub, "__setstate__")
+    assert copy.copy(hub).timeout_s == hub.timeout_s and callable(hub.since)
 
 
 @pytest.fixture(scope="module")

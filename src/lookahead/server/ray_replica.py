@@ -62,7 +62,12 @@ class RayHub:
             raise
 
     def __getattr__(self, method: str) -> Callable[..., Any]:
-        """Every method of the Hub protocol (sharing/sync.py), as a call to the actor's method of that name."""
+        """Every method of the Hub protocol (sharing/sync.py), as a call to the actor's method of that name.
+
+        Private and special names are not forwarded: copy, pickle and `hasattr` see a plain object.
+        """
+        if method.startswith("_"):
+            raise AttributeError(method)
         return lambda *args: self._ask(method, *args)
 
 
