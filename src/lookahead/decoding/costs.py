@@ -83,6 +83,8 @@ def cost_model(forward: ModelForward, batched: bool = False, tree_masks: bool = 
     """
     name = getattr(forward.config, "_name_or_path", "")
     key = f"{name}|{forward.model.dtype}|{forward.device}|threads={torch.get_num_threads()}|interleaved={REPEATS}"
+    if forward.attention is not None:  # another attention function, other costs
+        key += f"|attention={forward.attention}"
     wanted = {f"{key}|widths={COST_WIDTHS}": functools.partial(measure_cost, forward)}
     contexts = longer_contexts(forward)
     for length in contexts:

@@ -14,6 +14,7 @@ import torch
 from transformers import Cache, PreTrainedModel
 
 from ..drafting.tree import DraftTree
+from .attention import attention_as, grouped_attention
 from .kvcache import new_cache
 from .masks import block_inputs
 
@@ -30,6 +31,8 @@ class ModelForward:
         # transformers renamed `past_key_values` to `cache` during 5.x; an unknown name is silently ignored
         self._cache_keyword = "cache" if "cache" in accepted else "past_key_values"
         self._lock = threading.Lock()
+        self.attention = grouped_attention(model, self.device)
+        """The attention this engine's passes use instead of the model's SDPA (decoding/attention.py), or None."""
 
     @property
     def vocab_size(self) -> int:
@@ -59,6 +62,6 @@ class ModelForward:
         kwargs[self._cache_keyword] = cache
         if last_only and self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        with self._lock:
+        with self._lock, attention_as(self.model, self.attention):
             logits = self.model(**kwargs).logits
         return logits[:, -1:] if last_only else logits

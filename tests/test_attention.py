@@ -1,0 +1,73 @@
+"""Grouped-head attention for verification blocks: the same bits as transformers' SDPA, without its copy."""
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from lookahead.decoding import attention
+from lookahead.decoding.attention import GROUPED_SDPA, attention_as, grouped_attention
+from lookahead.decoding.forward import ModelForward
+from lookahead.drafting.tree import DraftTree
+
+PAST = 40
+
+
+def _block_logits(forward: ModelForward) -> torch.Tensor:
+    """Two rows of different lengths, then a tree block on one and a chain on the other (both masked)."""
+    tree = DraftTree(tokens=[5, 6, 7, 8], parents=[0, 0, 1, 2])
+    chain = DraftTree(tokens=[9, 10, 11], parents=[0, 1, 2])
+    with torch.inference_mode():
+        cache = forward.new_cache()
+        prompts = [[(3 * i) % 97 + 1 for i in range(PAST)], [(5 * i) % 89 + 1 for i in range(PAST - 7)] + [0] * 7]
+        forward.rows(cache, prompts, [None, None], [0, 0], tree_masks=True, last_only=True)
+        return forward.rows(cache, [[1, *tree.tokens], [2, *chain.tokens]], [tree, chain], [PAST, PAST - 7], True)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_grouped_attention_gives_the_same_logits_bit_for_bit(family):
+    model = tiny_model(family)
+    forward = ModelForward(model)
+    assert forward.attention == GROUPED_SDPA
+    grouped = _block_logits(forward)
+    forward.attention = None
+    assert torch.equal(grouped, _block_logits(forward))
+
+
+def test_masked_blocks_skip_transformers_sdpa_and_a_single_sequence_does_not(monkeypatch):
+    forward = ModelForward(tiny_model("llama"))
+    handed_over = []
+    stock = attention.sdpa_attention_forward
+
+    def counted(module, query, *args, **kwargs):
+        handed_over.append(query.shape[2])
+        return stock(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "sdpa_attention_forward", counted)
+    _block_logits(forward)
+    assert handed_over == []  # rows of two lengths: every pass masked, every one grouped
+    with torch.inference_mode():
+        cache = forward.new_cache()
+        forward(cache, [1, 2, 3], 0)  # causal, no mask needed: transformers' own grouped path
+        forward(cache, [4], 3)  # one query: transformers packs the groups itself
+    assert handed_over == [3, 3, 1, 1]  # per layer
+
+
+def test_the_model_is_switched_for_the_pass_only():
+    model = tiny_model("llama")
+    seen = []
+    model.model.layers[0].register_forward_hook(lambda *_: seen.append(model.config._attn_implementation))
+    _block_logits(ModelForward(model))
+    assert set(seen) == {GROUPED_SDPA}
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(RuntimeError), attention_as(model, GROUPED_SDPA):
+        raise RuntimeError("a failing pass")
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_only_sdpa_models_with_grouped_heads_on_a_cpu_switch():
+    assert grouped_attention(tiny_model("llama"), torch.device("cpu")) == GROUPED_SDPA
+    assert grouped_attention(tiny_model("llama"), torch.device("cuda")) is None  # there transformers' copy is faster
+    assert grouped_attention(tiny_model("phi3"), torch.device("cpu")) is None  # as many key/value heads as queries
+    assert grouped_attention(tiny_model("gpt2"), torch.device("cpu")) is None
+    eager = tiny_model("llama", attn_implementation="eager")
+    assert grouped_attention(eager, torch.device("cpu")) is None
