@@ -127,6 +127,8 @@ def test_long_document_benchmark_on_short_documents(tmp_path):
     assert longdoc_main([*args, "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "longdoc.json").read_text())
     assert [(row["length"], row["phase"]) for row in result["summary"]] == [(400, "fresh engine"), (400, "warm engine")]
+    assert all(row["decode_speedup"] > 0 for row in result["summary"])
+    assert result["command"].endswith(" ".join([*args, "--out", str(tmp_path)]))
     for row in result["results"]:
         assert row["exact"] and row["length"] - 64 <= row["prompt_tokens"] <= row["length"]
         assert row["lookahead_s"] > 0 and row["plain_s"] > 0 and 0 < row["ttft_lookahead_s"] < row["lookahead_s"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                      "exact_match": exact(outs)})  # fmt: skip
         print(rows[-1], flush=True)
     result = {
-        "command": "python -m lookahead.bench.batchbench " + " ".join(argv or []),
+        "command": "python -m lookahead.bench.batchbench " + " ".join(sys.argv[1:] if argv is None else argv),
         "model": args.model or "smollm2-135m",
         "environment": environment(),
         "settings": vars(args),
