@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from lookahead.decoding.masks import causal_inputs, tree_mask, tree_positions
+from lookahead.decoding.masks import causal_inputs, packed_inputs, tree_mask, tree_positions
 from lookahead.drafting.tree import DraftTree
 
 
@@ -33,3 +33,15 @@ def test_masks_are_built_in_the_dtype_and_on_the_device_asked_for():
 def test_causal_inputs_for_a_chain():
     mask, positions = causal_inputs(4, 3, "cpu")
     assert mask.tolist() == [[1] * 7] and positions.tolist() == [[4, 5, 6]]
+
+
+def test_packed_inputs_carry_only_real_tokens_and_mask_each_row_in_its_own_columns():
+    tree = DraftTree([7, 8, 9], [0, 0, 1])  # root r; a, b under r; c under a
+    ids, mask, positions, packed = packed_inputs([[1, 7, 8, 9], [2]], [tree, None], [3, 5], torch.float32, "cpu")
+    assert ids.tolist() == [[1, 7, 8, 9, 2]]
+    assert positions.tolist() == [[3, 4, 4, 5, 5]], "each row's root at its own length, nodes by depth"
+    assert mask.shape == (2, 1, 4, packed.end) and packed.end == 7
+    allowed = (mask[:, 0] == 0).int().tolist()
+    assert allowed[0] == [[1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 1, 0], [1, 1, 1, 1, 1, 0, 1]]
+    assert allowed[1][0] == [1, 1, 1, 1, 1, 1, 0], "row 1's root right after its own 5 entries"
+    assert allowed[1][1:] == [[1, 1, 1, 1, 1, 0, 0]] * 3, "padding slots see the row's entries only: never NaN"

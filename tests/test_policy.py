@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lookahead.drafting.ngrams import OUTPUT, PROMPT
-from lookahead.drafting.policy import Calibration, CostModel, DraftPolicy, best_width
+from lookahead.drafting.policy import Calibration, CostModel, DraftPolicy, best_sizes, best_width, step_width
 from lookahead.drafting.tree import DraftTree
 
 FLAT = CostModel({1: 50.0, 64: 50.0})
@@ -156,6 +156,37 @@ def test_the_likeliest_rows_decide_the_width_and_the_others_fill_it():
     fitted = DraftPolicy(BATCH).fit([sure] * 4 + [doubtful] * 4)
     assert len(fitted[0]) > 0, "rows that copy text earn the width"
     assert {len(t) for t in fitted} == {len(fitted[0])}, "the other rows pay for that width anyway: they fill it"
+
+
+def _packed(cost: CostModel) -> DraftPolicy:
+    policy = DraftPolicy(cost)
+    policy.packed = True
+    return policy
+
+
+def test_a_packed_batch_gives_the_budget_to_the_rows_whose_drafts_are_likeliest():
+    sure = DraftTree([1, 2, 3, 4], [0, 1, 2, 3], chances=[0.99, 0.98, 0.97, 0.96])
+    doubtful = DraftTree([5, 6, 7, 8], [0, 1, 2, 3], chances=[0.05, 0.02, 0.01, 0.01])
+    fitted = _packed(BATCH).fit([sure] * 2 + [doubtful] * 6)
+    assert [len(t) for t in fitted] == [4, 4, 0, 0, 0, 0, 0, 0], "each row pays for its own nodes only"
+    assert [len(t) for t in _packed(BATCH).fit([doubtful] * 8)] == [0] * 8, "steep cost, low chances: plain"
+    flat = CostModel({1: 50.0, 64: 50.0}, batched={8: {1: 60.0, 64: 60.0}})
+    assert [len(t) for t in _packed(flat).fit([doubtful] * 8)] == [4] * 8, "flat cost: every row drafts"
+
+
+def test_packed_sizes_are_prefixes_even_where_a_later_node_is_likelier():
+    chances = [[0.3, 0.9, 0.9], [0.5]]  # row 0's likely nodes come only after its doubtful first one
+    flat = CostModel({1: 50.0, 64: 50.0}, batched={2: {1: 50.0, 64: 50.0}})
+    assert best_sizes(chances, flat) == [3, 1]
+    one_node = CostModel({1: 50.0, 2: 60.0, 3: 70.0, 64: 100.0}, batched={2: {1: 100.0, 2: 130.0, 3: 400.0, 64: 5e3}})
+    assert best_sizes(chances, one_node) == [0, 1], "worth one node: row 1's, not row 0's 0.9 behind its 0.3"
+
+
+def test_one_packed_row_is_priced_as_a_padded_one():
+    for values in ([0.9, 0.5, 0.3, 0.1], [0.2] * 20, [0.99] * 40):
+        assert best_sizes([values], CPU_LIKE) == [best_width([values], CPU_LIKE)]
+    trees = [DraftTree([1, 2], [0, 1]), DraftTree()]
+    assert step_width(trees, packed=False) == 3 and step_width(trees, packed=True) == 2.0
 
 
 def test_steps_of_one_size_correct_that_size_and_not_the_shape_of_the_others():

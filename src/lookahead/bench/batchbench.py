@@ -3,7 +3,8 @@
 C streams are a closed loop of C clients: each sends the next prompt as soon as its answer is
 complete, which is a continuous batch of at most C generations (a finished one makes room for
 the next prompt at once). For every C: batched lookahead and batched plain decoding through the
-same model (each run with an empty trie), and transformers' `model.generate` on padded batches
+same model (each run with an empty trie, the two taking turns round by round, each timed by its
+own rounds: a shared machine's slow spells fall on both), and transformers' `model.generate` on padded batches
 of C prompts (a static batch: every row waits for the longest); once, for reference,
 lookahead one request at a time (what the server did before batching). Reported per method
 and C: total tokens/s with prefill, decode tokens/s (steps only), per-request p50/p99
@@ -44,35 +45,60 @@ def _percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
 
 
-def run_batched(engine: LookaheadEngine, prompts: list[list[int]], streams: int, new_tokens: int, lookahead: bool):
-    """C streams through the engine's continuous batch; per-request timings and the outputs."""
-    batch = engine.batch(streams, use_lookahead=lookahead)
-    generations = [engine.prepare(ids, new_tokens) for ids in prompts]
-    for generation in generations:
-        batch.add(generation)
-    joined: dict[int, float] = {}
-    first: dict[int, float] = {}
-    ended: dict[int, float] = {}
-    peak_rss = 0.0
-    clock = time.perf_counter()
-    while batch:
-        tick = time.perf_counter()
-        events = batch.step()
-        tock = time.perf_counter()
+class _Run:
+    """One method's continuous batch in an interleaved comparison, on its own clock: the time of its own rounds."""
+
+    def __init__(self, engine: LookaheadEngine, prompts: list[list[int]], streams: int, new_tokens: int, drafts: bool):
+        self.batch = engine.batch(streams, use_lookahead=drafts)
+        self.generations = [engine.prepare(ids, new_tokens) for ids in prompts]
+        for generation in self.generations:
+            self.batch.add(generation)
+        self.clock = 0.0
+        self.joined: dict[int, float] = {}
+        self.first: dict[int, float] = {}
+        self.ended: dict[int, float] = {}
+
+    def round(self) -> None:
+        """One round of the batch, timed; every generation's join, first token and end on this run's clock."""
+        tick = self.clock
+        started = time.perf_counter()
+        events = self.batch.step()
+        self.clock += time.perf_counter() - started
         for generation, _ in events:
             key = id(generation)
-            joined.setdefault(key, tick)
-            first.setdefault(key, tock)
+            self.joined.setdefault(key, tick)
+            self.first.setdefault(key, self.clock)
             if generation.done:
-                ended[key] = tock
+                self.ended[key] = self.clock
+
+    def summary(self) -> tuple[list, dict]:
+        outputs = [generation.output() for generation in self.generations]
+        keys = [id(generation) for generation in self.generations]
+        decode_s = self.clock - sum(out.stats.prefill_s for out in outputs)  # prefills run one after another
+        latencies = [self.ended[k] - self.joined[k] for k in keys]
+        ttfts = [self.first[k] - self.joined[k] for k in keys]
+        return outputs, _summary(outputs, self.clock, decode_s, latencies, ttfts)
+
+
+def run_batched(engines: dict[str, LookaheadEngine], prompts: list[list[int]], streams: int, new_tokens: int) -> dict:
+    """C streams through each engine's continuous batch ("lookahead" drafts, "plain" does not), round by round in turn.
+
+    The methods take turns one round at a time and each is timed by its own rounds only, so
+    a slow spell of a shared machine falls on both alike instead of on whichever ran then.
+    Returns per method its outputs and figures; the peak resident memory is of both batches.
+    """
+    runs = {name: _Run(engine, prompts, streams, new_tokens, name == "lookahead") for name, engine in engines.items()}
+    peak_rss = 0.0
+    while any(run.batch for run in runs.values()):
+        for run in runs.values():
+            if run.batch:
+                run.round()
         peak_rss = max(peak_rss, _rss_mb())
-    wall = time.perf_counter() - clock
-    outputs = [generation.output() for generation in generations]
-    keys = [id(generation) for generation in generations]
-    decode_s = wall - sum(out.stats.prefill_s for out in outputs)  # prefills run one after another
-    latencies = [ended[k] - joined[k] for k in keys]
-    row = _summary(outputs, wall, decode_s, latencies, [first[k] - joined[k] for k in keys])
-    return outputs, {**row, "peak_rss_mb": round(peak_rss)}
+    results = {}
+    for name, run in runs.items():
+        outputs, row = run.summary()
+        results[name] = (outputs, {**row, "peak_rss_mb": round(peak_rss)})
+    return results
 
 
 def _summary(outputs: list, wall: float, decode_s: float, latencies: list[float], ttfts: list[float]) -> dict:
@@ -189,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         return round(sum(o == w for o, w in zip(outputs, want, strict=True)) / len(want), 3)
 
     for count in streams:
-        for method in ("lookahead", "plain"):
-            outs, row = run_batched(fresh(), prompts, count, args.max_new_tokens, method == "lookahead")
+        runs = run_batched({"lookahead": fresh(), "plain": fresh()}, prompts, count, args.max_new_tokens)
+        for method, (outs, row) in runs.items():
             rows.append({"streams": count, "method": f"batched {method}", **row,
                          "exact_match": exact([o.token_ids for o in outs])})  # fmt: skip
             print(rows[-1], flush=True)

@@ -7,12 +7,13 @@ verification block always has a mask and several tokens, so on a CPU the copy ma
 grow dearer with the context: Qwen2.5-0.5B (14 query heads, 2 key/value heads) after 4k
 cached tokens, 2 tokens cost 1.7x one (328 against 191 ms; one layer: 6.2 ms repeated, 0.8 ms
 grouped) and 1.0x read grouped. torch's SDPA takes the groups itself (`enable_gqa`), with the
-mask, on the CPU, and gives the same bits. transformers keeps the copy on other devices (there a mask with `enable_gqa` falls back
-to the slow kernel), and so do we.
+mask, on the CPU, and gives the same bits. transformers keeps the copy on other devices
+(there a mask with `enable_gqa` falls back to the slow kernel), and so do we.
 
 The grouped function is registered in transformers' attention registry under
 GROUPED_SDPA and used for this engine's forward passes only (`ModelForward`); every
-other case is handed to transformers' own SDPA function unchanged.
+other case is handed to transformers' own SDPA function unchanged. PACKED_SDPA wraps it for
+packed batches (decoding/slab.py), whose queries it unpacks per row around the call.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
+from .slab import Packing
+
 GROUPED_SDPA = "lookahead_grouped_sdpa"
+PACKED_SDPA = "lookahead_packed_sdpa"
 
 
 def grouped_sdpa_forward(
@@ -56,8 +60,34 @@ def grouped_sdpa_forward(
     return output.transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_forward)
-AttentionMaskInterface.register(GROUPED_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])  # the masks SDPA takes
+def packed_sdpa_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    lookahead_packing: Packing | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention of a packed batch (decoding/slab.py): queries unpacked per row, attended, packed again.
+
+    The query is (1, heads, T, dim) over the real tokens of every row; the keys and values
+    are the slab's (rows, kv heads, columns, dim). Without a packing this is GROUPED_SDPA.
+    """
+    if lookahead_packing is None:
+        return grouped_sdpa_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    rows, width = key.shape[0], lookahead_packing.width
+    heads, dim = query.shape[1], query.shape[-1]
+    padded = query[0].index_select(1, lookahead_packing.slots).view(heads, rows, width, dim).transpose(0, 1)
+    output, _ = grouped_sdpa_forward(module, padded, key, value, attention_mask, dropout, scaling, **kwargs)
+    return output.reshape(rows * width, heads, dim).index_select(0, lookahead_packing.tokens)[None], None
+
+
+for _name, _function in ((GROUPED_SDPA, grouped_sdpa_forward), (PACKED_SDPA, packed_sdpa_forward)):
+    AttentionInterface.register(_name, _function)
+    AttentionMaskInterface.register(_name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])  # the masks SDPA takes
 
 
 def grouped_attention(model: PreTrainedModel, device: torch.device) -> str | None:

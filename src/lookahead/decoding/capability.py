@@ -21,8 +21,11 @@ from transformers import Cache
 from ..drafting.tree import DraftTree
 from .forward import ModelForward
 from .kvcache import BatchCache, has_sliding_layers
+from .slab import SlabCache
 
 DraftMode = Literal["tree", "chain", "off"]
+Layout = Literal["packed", "padded"]
+"""How the rows of a batch share a forward pass: packed (decoding/slab.py) or padded to the widest (kvcache.py)."""
 
 # root r; nodes a, b under r; c under a; d under c: paths r-a-c-d and r-b.
 _TREE = DraftTree(tokens=[11, 12, 13, 14], parents=[0, 0, 1, 3])
@@ -151,8 +154,8 @@ def _prefilled(forward: ModelForward, prefix: list[int]) -> Cache:
     return cache
 
 
-def _batch_mismatch(forward: ModelForward, mode: DraftMode) -> str | None:
-    """Why two rows of different lengths verified together differ from each row alone; None if they do not."""
+def _batch_mismatch(forward: ModelForward, mode: DraftMode, layout: Layout) -> str | None:
+    """Why two rows of different lengths verified together (in `layout`) differ from each row alone; None if not."""
     vocab = forward.vocab_size
     shape = _TREE if mode == "tree" else _CHAIN
     trees = [DraftTree([t % vocab for t in shape.tokens], shape.parents), DraftTree([_NEXT % vocab], [0])]
@@ -161,42 +164,49 @@ def _batch_mismatch(forward: ModelForward, mode: DraftMode) -> str | None:
     after = (_NEXT + 1) % vocab
     with torch.inference_mode():
         parts = [BatchCache(_prefilled(forward, prefix), [len(prefix)], [row]) for row, prefix in enumerate(prefixes)]
-        batch = BatchCache.merge(parts)
+        batch = SlabCache.merge(parts) if layout == "packed" else BatchCache.merge(parts)
         got = forward.rows(batch.cache, blocks, trees, batch.lengths, tree_masks=mode == "tree")
         for row, (prefix, block, tree) in enumerate(zip(prefixes, blocks, trees, strict=True)):
             want = forward(_prefilled(forward, prefix), block, len(prefix), tree)
-            if (gap := _gap(got[row, : len(block)], want)) is not None:
+            if (gap := _gap(got[row][: len(block)], want)) is not None:
                 return f"row {row} of a batch differs from the same row alone by {gap:.3g}"
         deepest = [_ancestors(tree, len(tree)) for tree in trees]
         batch.keep([[0, *path] for path in deepest], max(map(len, blocks)))
         got = forward.rows(batch.cache, [[after], [after]], [None, None], batch.lengths, tree_masks=mode == "tree")
         for row, (prefix, block, path) in enumerate(zip(prefixes, blocks, deepest, strict=True)):
             want = _plain_logits(forward, [*prefix, *(block[i] for i in [0, *path]), after])[-1]
-            if (gap := _gap(got[row, 0], want)) is not None:
+            if (gap := _gap(got[row][0], want)) is not None:
                 return f"row {row} of a batch after compacting differs from sequential decoding by {gap:.3g}"
     return None
 
 
-def probe_batching(forward: ModelForward, mode: DraftMode) -> bool:
-    """True if generations of different lengths can be verified in one forward pass; else warns why.
+def probe_batching(forward: ModelForward, mode: DraftMode) -> Layout | None:
+    """How generations of different lengths can be verified in one forward pass; None (with a warning why) if not.
 
-    Without it, a batch of generations is verified one generation at a time: still exact,
-    only slower.
+    "packed" (decoding/slab.py) where the model takes it, else "padded" (a warning says why
+    not packed); without either, a batch of generations is verified one generation at a
+    time: still exact, only slower.
     """
-    reason = _once(forward, f"batching {mode}", lambda: _no_batching(forward, mode))
-    if reason is not None:
-        name = type(forward.model).__name__
-        warnings.warn(f"{name}: generations are verified one at a time, not batched ({reason})", stacklevel=3)
-    return reason is None
+    layout, warning = _once(forward, f"batching {mode}", lambda: _layout(forward, mode))
+    if warning is not None:
+        warnings.warn(f"{type(forward.model).__name__}: {warning}", stacklevel=3)
+    return layout
 
 
-def _no_batching(forward: ModelForward, mode: DraftMode) -> str | None:
-    """Why rows of different lengths cannot be verified together; None if they can."""
+def _layout(forward: ModelForward, mode: DraftMode) -> tuple[Layout | None, str | None]:
+    """The layout, and the warning a fallback gives."""
     if mode == "off":
-        return "it verifies no drafts, not even single paths"
+        return None, "generations are verified one at a time, not batched (it verifies no drafts, not even paths)"
     if has_sliding_layers(forward.new_cache()):
-        return "its sliding-window layers keep one length for all rows"
-    try:
-        return _batch_mismatch(forward, mode)
-    except Exception as err:
-        return f"{type(err).__name__}: {err}"
+        return None, ("generations are verified one at a time, not batched (its sliding-window layers keep one "
+                      "length for all rows)")  # fmt: skip
+    reasons = {}
+    for layout in ("packed", "padded") if mode == "tree" else ("padded",):
+        try:
+            reasons[layout] = _batch_mismatch(forward, mode, layout)
+        except Exception as err:  # a model may refuse the layout outright: that too means "not this one"
+            reasons[layout] = f"{type(err).__name__}: {err}"
+        if reasons[layout] is None:
+            packed = reasons.get("packed")
+            return layout, None if packed is None else f"batched rows are padded to the widest, not packed ({packed})"
+    return None, f"generations are verified one at a time, not batched ({reasons['padded']})"

@@ -20,7 +20,10 @@ import torch
 
 from ..drafting.policy import BASE_CONTEXT, CostModel
 from ..models import cache_dir
+from .capability import Layout
 from .forward import ModelForward
+from .kvcache import BatchCache
+from .slab import SlabCache
 
 COST_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # small widths are irregular on CPUs
 COST_CONTEXTS = (1024, 4096)
@@ -37,8 +40,11 @@ def measure_cost(
     repeats: int = REPEATS,
     rows: int = 1,
     tree_masks: bool = True,
+    packed: bool = False,
 ) -> dict[int, float]:
     """Median milliseconds of a forward pass of `rows` rows of each width, every row after `context` cached tokens.
+
+    `packed`: the rows on a slab, their blocks packed (decoding/slab.py), as a packed batch steps.
 
     The widths take turns, one pass each a round, so a burst of other load on a shared
     machine slows one pass of many widths rather than every pass of a few: measured one
@@ -51,14 +57,17 @@ def measure_cost(
     with torch.inference_mode():
         cache = forward.new_cache()
         forward.rows(cache, [prefix] * rows, [None] * rows, [0] * rows, tree_masks, last_only=True)
+        if packed:  # a slab's rows keep their length: a block is written after them and never kept
+            cache = SlabCache.merge([BatchCache(cache, [context] * rows, list(range(rows)))])
         for _ in range(repeats):
             for width in widths:
                 clock = time.perf_counter()
                 blocks = [prefix[:width]] * rows
                 logits = forward.rows(cache, blocks, [None] * rows, [context] * rows, tree_masks)
-                logits.argmax(-1).tolist()  # as a step: waits for the device
+                [row.argmax(-1).tolist() for row in logits]  # as a step: waits for the device
                 times[width].append((time.perf_counter() - clock) * 1000)
-                cache.crop(-width)  # the context stays the same for every measurement
+                if not packed:
+                    cache.crop(-width)  # the context stays the same for every measurement
     return {width: round(statistics.median(spent), 3) for width, spent in times.items()}
 
 
@@ -76,8 +85,8 @@ def measure_contexts(forward: ModelForward, longest: int) -> dict[int, dict[int,
     return {length: measure_cost(forward, context=length) for length in lengths[: reach + 1]}
 
 
-def cost_model(forward: ModelForward, batched: bool = False, tree_masks: bool = True) -> CostModel:
-    """The cost curves of this model on this device (one row at a few contexts; if `batched`, BATCH_ROWS rows).
+def cost_model(forward: ModelForward, batched: Layout | None = None, tree_masks: bool = True) -> CostModel:
+    """The cost curves of this model on this device (one row at a few contexts; with a layout, BATCH_ROWS rows).
 
     Cached on disk.
     """
@@ -91,9 +100,11 @@ def cost_model(forward: ModelForward, batched: bool = False, tree_masks: bool = 
         measure = functools.partial(measure_cost, forward, context=length)
         wanted[f"{key}|context={length}|widths={COST_WIDTHS}"] = measure
     if batched:
+        packed = batched == "packed"
         for rows in BATCH_ROWS:
-            measure = functools.partial(measure_cost, forward, BATCH_WIDTHS, rows=rows, tree_masks=tree_masks)
-            wanted[f"{key}|rows={rows}|widths={BATCH_WIDTHS}"] = measure
+            measure = functools.partial(measure_cost, forward, BATCH_WIDTHS, rows=rows, tree_masks=tree_masks,
+                                        packed=packed)  # fmt: skip
+            wanted[f"{key}|rows={rows}|widths={BATCH_WIDTHS}" + ("|packed" if packed else "")] = measure
     path = cache_dir() / "costs.json"
     known = _read(path)
     curves, measured = [], False

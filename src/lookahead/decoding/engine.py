@@ -107,7 +107,7 @@ class LookaheadEngine:
         self.drafting = TrieDrafting.from_config(
             config, self.eos_ids, cost_model(self.forward) if adaptive else None, trie
         )
-        self._model_verifier = ModelVerifier(self.forward, self.draft_mode, config.decoding_length, batched=False)
+        self._model_verifier = ModelVerifier(self.forward, self.draft_mode, config.decoding_length)
         self._batching_probed = False
         self._batching_lock = threading.Lock()
         self.verifier: Verifier = self._model_verifier
@@ -247,9 +247,10 @@ class LookaheadEngine:
             if self._batching_probed:
                 return
             self._batching_probed = True
-            batched = self._model_verifier.batched = probe_batching(self.forward, self.draft_mode)
-            if batched and self.policy.adaptive:
-                self.policy.cost = cost_model(self.forward, batched=True, tree_masks=self.draft_mode == "tree")
+            layout = self._model_verifier.layout = probe_batching(self.forward, self.draft_mode)
+            self.policy.packed = layout == "packed"
+            if layout is not None and self.policy.adaptive:
+                self.policy.cost = cost_model(self.forward, layout, tree_masks=self.draft_mode == "tree")
 
     def prepare(
         self,

@@ -14,9 +14,10 @@ import torch
 from transformers import Cache, PreTrainedModel
 
 from ..drafting.tree import DraftTree
-from .attention import attention_as, grouped_attention
+from .attention import PACKED_SDPA, attention_as, grouped_attention
 from .kvcache import new_cache
-from .masks import block_inputs
+from .masks import block_inputs, packed_inputs
+from .slab import SlabCache
 
 
 class ModelForward:
@@ -55,8 +56,14 @@ class ModelForward:
         lengths: Sequence[int],
         tree_masks: bool,
         last_only: bool = False,
-    ) -> torch.Tensor:
-        """Logits (rows, width, vocab) of each row's block after its `lengths[b]` cached tokens (masks.block_inputs)."""
+    ) -> Sequence[torch.Tensor]:
+        """Per row, the logits (width, vocab) of its block after its `lengths[b]` cached tokens.
+
+        On a slab (decoding/slab.py) the rows' blocks are packed (masks.packed_inputs), else
+        padded to the widest (masks.block_inputs; the rows of one (rows, width, vocab) tensor).
+        """
+        if isinstance(cache, SlabCache):
+            return self._packed(cache, blocks, trees, lengths)
         ids, mask, positions = block_inputs(blocks, trees, lengths, tree_masks, self.model.dtype, self.device)
         kwargs: dict = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "use_cache": True}
         kwargs[self._cache_keyword] = cache
@@ -65,3 +72,22 @@ class ModelForward:
         with self._lock, attention_as(self.model, self.attention):
             logits = self.model(**kwargs).logits
         return logits[:, -1:] if last_only else logits
+
+    def _packed(
+        self,
+        cache: SlabCache,
+        blocks: Sequence[Sequence[int]],
+        trees: Sequence[DraftTree | None],
+        lengths: Sequence[int],
+    ) -> list[torch.Tensor]:
+        cache.reserve([len(block) for block in blocks])
+        ids, mask, positions, packing = packed_inputs(blocks, trees, lengths, self.model.dtype, self.device)
+        kwargs: dict = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "use_cache": True}
+        kwargs[self._cache_keyword] = cache
+        cache.packing = packing
+        try:
+            with self._lock, attention_as(self.model, PACKED_SDPA):
+                logits = self.model(**kwargs, lookahead_packing=packing).logits[0]
+        finally:
+            cache.packing = None
+        return list(logits.split([len(block) for block in blocks]))

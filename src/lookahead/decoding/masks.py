@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..drafting.tree import DraftTree
+from .slab import Packing, packing
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """input_ids (B, Q), attention_mask (2-D or 4-D), position_ids (B, Q)."""
@@ -89,3 +90,37 @@ def block_inputs(
     allowed = torch.cat([seen[:, None, :].expand(-1, width, -1), torch.from_numpy(within).to(device)], dim=-1)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
     return ids.to(device), mask[:, None], positions
+
+
+def packed_inputs(
+    blocks: Sequence[Sequence[int]],
+    trees: Sequence[DraftTree | None],
+    lengths: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Packing]:
+    """Inputs of the rows' blocks packed into one sequence, each written right after its row's `lengths[b]` entries.
+
+    input_ids and position_ids are (1, T) over the real tokens only; the mask is (B, 1, W, end)
+    over the padded query layout attention unpacks to (slab.py): row b's slot j sees the row's
+    cached entries and, within its block, its own ancestors; a padding slot sees the cached
+    entries only (its output is dropped).
+    """
+    packed = packing(blocks, lengths, device)
+    sizes = torch.tensor([len(block) for block in blocks])
+    ids = torch.tensor([[token for block in blocks for token in block]], dtype=torch.long, device=device)
+    depths = [depth for block, tree in zip(blocks, trees, strict=True) for depth in _depths(block, tree)]
+    cached = torch.tensor(lengths, dtype=torch.long)
+    positions = (torch.tensor(depths, dtype=torch.long) + cached.repeat_interleave(sizes)).to(device)[None]
+    seen = torch.arange(packed.end, device=device)[None, :] < cached.to(device)[:, None]
+    allowed = seen[:, None, :].repeat(1, packed.width, 1)
+    for row, (block, tree, length) in enumerate(zip(blocks, trees, lengths, strict=True)):
+        size = len(block)
+        within = tree.ancestor_matrix() if tree is not None else np.tri(size, dtype=bool)
+        allowed[row, :size, length : length + size] = torch.from_numpy(within).to(device)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return ids, mask[:, None], positions, packed
+
+
+def _depths(block: Sequence[int], tree: DraftTree | None) -> Sequence[int]:
+    return [0, *tree.depths] if tree is not None else range(len(block))

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 from ..drafting.drafter import Drafting
-from ..drafting.policy import CostModel
+from ..drafting.policy import CostModel, step_width
 from ..drafting.tree import DraftTree
 from .generation import Generation
 
@@ -107,9 +107,11 @@ class Priced:
     exactly the replay's decisions, which is how the two are tested against each other.
     """
 
-    def __init__(self, verifier: Verifier, cost: CostModel) -> None:
+    def __init__(self, verifier: Verifier, cost: CostModel, packed: bool = False) -> None:
         self.verifier = verifier
         self.cost = cost
+        self.packed = packed
+        """Price a batch's step by its rows' mean block (packed rows), not the widest."""
         self.spent_ms = 0.0
         """The predicted milliseconds of all steps so far."""
 
@@ -122,7 +124,7 @@ class Priced:
 
     def verify(self, generations: Sequence[Generation], trees: Sequence[DraftTree]) -> tuple[list[Verdict], float]:
         verdicts, _ = self.verifier.verify(generations, trees)
-        width = max(len(tree) for tree in trees) + 1
+        width = step_width(trees, self.packed)
         milliseconds = self.cost.predict(width, len(trees), longest_context(generations))
         self.spent_ms += milliseconds
         return verdicts, milliseconds

@@ -1,8 +1,9 @@
 """Verification on the model: every row's draft packed behind its root, one forward pass, the walks, the caches kept.
 
 This is the Verifier the engine's step runs through (decoding/step.py). The generations
-passed to one `verify` call are one batch: their caches are merged into one padded cache
-(decoding/kvcache.py: BatchCache) the first time they are stepped together, and a
+passed to one `verify` call are one batch: their caches are merged into one cache the first
+time they are stepped together — a slab whose rows' blocks are packed (decoding/slab.py), or
+where the model cannot take that, a padded cache (decoding/kvcache.py: BatchCache) — and a
 generation no longer passed leaves it. A model that cannot verify rows of different lengths
 together (sliding-window layers, or a failed probe) verifies them one after another.
 
@@ -18,11 +19,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..drafting.tree import DraftTree
-from .capability import DraftMode
+from .capability import DraftMode, Layout
 from .forward import ModelForward
 from .generation import Generation
 from .kvcache import BatchCache
 from .sampling import TokenChooser
+from .slab import SlabCache
 from .step import Verdict
 from .verify import accept, accept_greedy
 
@@ -38,17 +40,17 @@ def _chooser(generation: Generation) -> TokenChooser:
     return generation.chooser
 
 
-def _batch(generations: Sequence[Generation]) -> BatchCache:
-    """The one cache of exactly these generations: merged from their caches, leavers' rows dropped."""
+def _batch(generations: Sequence[Generation], layout: Layout) -> BatchCache | SlabCache:
+    """The one cache of exactly these generations: their caches merged (a slab if packed), leavers' rows dropped."""
     first = generations[0].cache
     if first.owners == list(generations):
         return first
-    caches: list[BatchCache] = []
+    caches: list[BatchCache | SlabCache] = []
     for generation in generations:
         if not any(generation.cache is cache for cache in caches):
             caches.append(generation.cache)
     parts = [cache.select([g for g in generations if g.cache is cache]) for cache in caches]
-    merged = BatchCache.merge(parts)
+    merged = SlabCache.merge(parts) if layout == "packed" else BatchCache.merge(parts)
     for generation in generations:
         generation.cache = merged
     return merged
@@ -57,14 +59,18 @@ def _batch(generations: Sequence[Generation]) -> BatchCache:
 class ModelVerifier:
     """Prefill and verification of generations on one model."""
 
-    def __init__(self, forward: ModelForward, mode: DraftMode, max_draft: int, batched: bool) -> None:
+    def __init__(self, forward: ModelForward, mode: DraftMode, max_draft: int, layout: Layout | None = None) -> None:
         self.forward = forward
         self.mode = mode
         self.max_draft = max_draft
-        self.batched = batched
-        """True if rows of different lengths can share one forward pass."""
+        self.layout = layout
+        """How rows of different lengths share one forward pass (capability.probe_batching); None: they do not."""
         window = getattr(forward.config, "sliding_window", None)
         self._window = window if isinstance(window, int) and window > 0 else None
+
+    @property
+    def batched(self) -> bool:
+        return self.layout is not None
 
     def may_branch(self, generation: Generation) -> bool:
         """Trees need the custom mask, which does not model sliding windows: stay inside them."""
@@ -102,7 +108,7 @@ class ModelVerifier:
     def _verify_rows(self, pairs: list[tuple[Generation, DraftTree]], verdicts: dict[int, Verdict]) -> float:
         """One forward pass over these rows; their verdicts into `verdicts`; the milliseconds of the model's work."""
         tree_of = {id(generation): tree for generation, tree in pairs}
-        batch = _batch([generation for generation, _ in pairs])
+        batch = _batch([generation for generation, _ in pairs], self.layout)
         rows: list[Generation] = batch.owners  # the cache's row order
         trees = [tree_of[id(generation)] for generation in rows]
         for generation, length in zip(rows, batch.lengths, strict=True):
@@ -113,7 +119,7 @@ class ModelVerifier:
         logits = self.forward.rows(batch.cache, blocks, trees, batch.lengths, tree_masks=self.mode == "tree")
         tock = time.perf_counter()
         choosers = [_chooser(generation) for generation in rows]
-        argmax = logits.argmax(-1).tolist() if any(c.plain_argmax for c in choosers) else None
+        argmax = [row.argmax(-1).tolist() for row in logits] if any(c.plain_argmax for c in choosers) else None
         kept = []
         for row, (generation, tree, chooser) in enumerate(zip(rows, trees, choosers, strict=True)):
             if chooser.plain_argmax:

@@ -20,6 +20,7 @@ the same step, so a replay predicts the real run exactly.
 from __future__ import annotations
 
 import bisect
+import math
 import threading
 from collections.abc import Mapping, Sequence
 
@@ -119,7 +120,7 @@ class CostModel:
         """The context lengths measured (BASE_CONTEXT among them)."""
         return [length for length, _ in self._contexts]
 
-    def measured(self, width: int, rows: int = 1, context: int = BASE_CONTEXT) -> float:
+    def measured(self, width: float, rows: int = 1, context: int = BASE_CONTEXT) -> float:
         """The start-up measurement at this size, interpolated: no online correction."""
         return float(self._measured(np.array([width]), rows, context)[0])
 
@@ -145,7 +146,7 @@ class CostModel:
         c0, c1 = _at(*curve0, width), _at(*curve1, width)
         return np.maximum(c0 + (c1 - c0) * (context - l0) / (l1 - l0), one_row * 0.5)
 
-    def factor(self, width: int, rows: int = 1) -> float:
+    def factor(self, width: float, rows: int = 1) -> float:
         """How real steps of this size compare with the measurement: its own recent evidence blended with `scale`."""
         own = self._factors.get((rows, _bucket(width)))
         if own is None:
@@ -154,17 +155,17 @@ class CostModel:
         evidence *= self.FORGET ** (self._steps - seen)
         return (evidence * factor + self.PRIOR_STEPS * self.scale) / (evidence + self.PRIOR_STEPS)
 
-    def predict(self, width: int, rows: int = 1, context: int = BASE_CONTEXT) -> float:
+    def predict(self, width: float, rows: int = 1, context: int = BASE_CONTEXT) -> float:
         return float(self.predict_widths([width], rows, context)[0])
 
-    def predict_widths(self, widths: Sequence[int], rows: int = 1, context: int = BASE_CONTEXT) -> np.ndarray:
+    def predict_widths(self, widths: Sequence[float], rows: int = 1, context: int = BASE_CONTEXT) -> np.ndarray:
         """`predict` at many widths at once: a step prices every width it could send in one go."""
-        width = np.asarray(widths, dtype=np.int64)
-        buckets = [_bucket(int(w)) for w in width]
+        width = np.asarray(widths, dtype=np.float64)
+        buckets = [_bucket(w) for w in width.tolist()]
         factors = {bucket: self.factor(2**bucket, rows) for bucket in set(buckets)}
         return self._measured(width, rows, context) * np.array([factors[bucket] for bucket in buckets])
 
-    def observe(self, width: int, milliseconds: float, rows: int = 1, context: int = BASE_CONTEXT) -> None:
+    def observe(self, width: float, milliseconds: float, rows: int = 1, context: int = BASE_CONTEXT) -> None:
         """Learn from a real step of this size; a step 5x off its prediction is an outlier (a pause), ignored."""
         ratio = milliseconds / self.measured(width, rows, context)
         if not 0.2 < ratio / self.factor(width, rows) < 5:
@@ -178,9 +179,9 @@ class CostModel:
         self._steps += 1
 
 
-def _bucket(width: int) -> int:
-    """Widths 1, 2, 3-4, 5-8, 9-16, …: neighbours cost alike, so they share what steps teach."""
-    return (width - 1).bit_length()
+def _bucket(width: float) -> int:
+    """Widths 1, 2, 3-4, 5-8, 9-16, … (a packed step's mean width rounded up): neighbours cost alike."""
+    return (math.ceil(width) - 1).bit_length()
 
 
 class Calibration:
@@ -338,6 +339,40 @@ def best_width(chances: Sequence[Sequence[float]], cost: CostModel, context: int
     return int(np.argmax(rates))  # the first best: a tie goes to the smaller block
 
 
+def best_sizes(chances: Sequence[Sequence[float]], cost: CostModel, context: int = BASE_CONTEXT) -> list[int]:
+    """Draft nodes worth sending from each row of a packed batch, where a step costs by the tokens it carries.
+
+    Each row pays only for its own nodes (decoding/slab.py), so the batch's candidates
+    compete: the step sends the likeliest k of all rows' nodes for the k that gives most
+    expected tokens per predicted millisecond, priced at the mean tokens a row. Each row's
+    share is a prefix of its candidates (likeliest first): a row's later node never outranks
+    its earlier one.
+    """
+    rows = len(chances)
+    ranked = sorted(
+        ((-value, row, index) for row, values in enumerate(chances) for index, value in enumerate(_falling(values))),
+    )
+    gains = np.cumsum([rows, *(-value for value, _, _ in ranked)])
+    widths = (rows + np.arange(len(ranked) + 1)) / rows
+    best = int(np.argmax(gains / cost.predict_widths(widths, rows, context)))  # a tie goes to fewer nodes
+    sizes = [0] * rows
+    for _, row, _ in ranked[:best]:
+        sizes[row] += 1
+    return sizes
+
+
+def _falling(values: Sequence[float]) -> np.ndarray:
+    """`values` lowered where needed so that none exceeds an earlier one (the rank a prefix can be cut at)."""
+    return np.minimum.accumulate(np.asarray(values, dtype=np.float64)) if len(values) else np.zeros(0)
+
+
+def step_width(trees: Sequence[DraftTree], packed: bool) -> float:
+    """Tokens a row the step's forward pass carries: the widest row's block, or for a packed batch the mean block."""
+    if packed:
+        return sum(len(tree) + 1 for tree in trees) / len(trees)
+    return max(len(tree) for tree in trees) + 1
+
+
 ENGINE_PRIOR_WEIGHT = 2.0
 """Observations the trie's own estimate is worth in an engine's calibration: trusted only at first."""
 REQUEST_PRIOR_WEIGHT = 8.0
@@ -354,6 +389,8 @@ class DraftPolicy:
     def __init__(self, cost: CostModel | None = None) -> None:
         self.cost = cost
         self.calibration = Calibration(ENGINE_PRIOR_WEIGHT)
+        self.packed = False
+        """True when batched rows are packed (each pays for its own nodes), not padded to the widest."""
 
     @property
     def adaptive(self) -> bool:
@@ -375,7 +412,11 @@ class DraftPolicy:
         """
         if self.cost is None or not any(trees):
             return list(trees)
-        size = best_width([tree.chances for tree in trees], self.cost, context)
+        chances = [tree.chances for tree in trees]
+        if self.packed and len(trees) > 1:
+            sizes = best_sizes(chances, self.cost, context)
+            return [tree.prefix(size) for tree, size in zip(trees, sizes, strict=True)]
+        size = best_width(chances, self.cost, context)
         return [tree.prefix(size) for tree in trees]
 
     def learn(self, tree: DraftTree, accepted: Sequence[int], request: RequestRates) -> None:
@@ -389,4 +430,4 @@ class DraftPolicy:
     def observe(self, trees: Sequence[DraftTree], milliseconds: float, context: int = BASE_CONTEXT) -> None:
         """What the step that verified `trees` together (after `context` cached tokens at most) cost."""
         if self.cost is not None:
-            self.cost.observe(max(len(tree) for tree in trees) + 1, milliseconds, len(trees), context)
+            self.cost.observe(step_width(trees, self.packed), milliseconds, len(trees), context)

@@ -1,0 +1,123 @@
+"""SlabCache: rows joined from prefilled caches, packed blocks written at each row's cursor, kept, dropped, grown."""
+
+import pytest
+import torch
+from conftest import hf_greedy
+from tiny_models import tiny_model
+from transformers import DynamicCache
+
+from lookahead.decoding.forward import ModelForward
+from lookahead.decoding.kvcache import BatchCache
+from lookahead.decoding.slab import GROWTH_MARGIN, Packing, SlabCache, packing
+from lookahead.drafting.tree import DraftTree
+
+
+def _part(owner: str, *rows: list[float]) -> BatchCache:
+    """A one-layer padded cache of `rows` (keys; values are keys * 10), padded with -1, owned by owner0, owner1, …"""
+    width = max(map(len, rows))
+    states = torch.tensor([row + [-1] * (width - len(row)) for row in rows], dtype=torch.float32)
+    states = states.view(len(rows), 1, width, 1)
+    cache = DynamicCache()
+    cache.update(states.clone(), states.clone() * 10, layer_idx=0)
+    return BatchCache(cache, [len(row) for row in rows], [f"{owner}{i}" for i in range(len(rows))])
+
+
+def _rows(slab: SlabCache) -> list[list[float]]:
+    keys, values = slab.layers[0].keys, slab.layers[0].values
+    assert torch.equal(values, keys * 10), "values move with their keys"
+    return [keys[row, 0, :length, 0].tolist() for row, length in enumerate(slab.lengths)]
+
+
+def _write(slab: SlabCache, blocks: list[list[float]]) -> None:
+    """What a packed forward pass does to the layer: every row's block written right after its entries."""
+    slab.reserve([len(block) for block in blocks])
+    slab.packing = packing(blocks, slab.lengths, "cpu")
+    flat = torch.tensor([value for block in blocks for value in block], dtype=torch.float32).view(1, 1, -1, 1)
+    slab.layers[0].update(flat, flat * 10)
+    slab.packing = None
+
+
+def test_merging_padded_parts_keeps_each_rows_entries_with_room_to_grow():
+    slab = SlabCache.merge([_part("a", [1, 2, 3], [4]), _part("b", [5, 6])])
+    assert _rows(slab) == [[1, 2, 3], [4], [5, 6]]
+    assert slab.owners == ["a0", "a1", "b0"] and slab.past == 3
+    assert slab.capacity == 3 + GROWTH_MARGIN
+    assert slab.cache is slab, "the slab is itself the cache the model is given"
+
+
+def test_blocks_are_written_at_each_rows_cursor_and_only_the_accepted_entries_kept():
+    slab = SlabCache.merge([_part("a", [1, 2, 3], [4])])
+    _write(slab, [[100, 101, 102], [200]])
+    assert slab.layers[0].keys[0, 0, 3:6, 0].tolist() == [100, 101, 102]
+    assert slab.layers[0].keys[1, 0, 1, 0].item() == 200, "right after the row's own entries, not at the longest row"
+    slab.keep([[0, 2], [0]])
+    assert _rows(slab) == [[1, 2, 3, 100, 102], [4, 200]]
+
+
+def test_selecting_rows_drops_and_reorders_them():
+    slab = SlabCache.merge([_part("a", [1, 2, 3], [4], [5, 6])])
+    kept = slab.select(["a2", "a0"])
+    assert _rows(kept) == [[5, 6], [1, 2, 3]] and kept.owners == ["a2", "a0"]
+    assert slab.select(slab.owners) is slab
+
+
+def test_a_slab_merges_with_a_joining_row_and_grows_without_losing_entries():
+    slab = SlabCache.merge([_part("a", [1, 2])])
+    joined = SlabCache.merge([slab, _part("b", [7, 8, 9])])
+    assert _rows(joined) == [[1, 2], [7, 8, 9]]
+    long_block = [float(v) for v in range(joined.capacity)]
+    _write(joined, [long_block, [10]])
+    assert joined.capacity >= 2 + len(long_block)
+    joined.keep([list(range(len(long_block))), [0]])
+    assert _rows(joined) == [[1, 2, *long_block], [7, 8, 9, 10]]
+
+
+def test_new_columns_are_zero_so_masked_keys_stay_finite():
+    slab = SlabCache.merge([_part("a", [1])])
+    assert torch.count_nonzero(slab.layers[0].keys[0, 0, 1:]).item() == 0
+
+
+def test_packing_indexes_real_tokens_and_their_padded_slots():
+    packed = packing([[1, 2, 3], [4], [5, 6]], [10, 4, 7], "cpu")
+    assert isinstance(packed, Packing) and packed.width == 3
+    assert packed.rows.tolist() == [0, 0, 0, 1, 2, 2]
+    assert packed.columns.tolist() == [10, 11, 12, 4, 7, 8]
+    assert packed.tokens.tolist() == [0, 1, 2, 3, 6, 7]
+    assert packed.slots.tolist() == [0, 1, 2, 3, 3, 3, 4, 5, 4], "a padding slot reads one of its own row's tokens"
+    assert packed.end == 13
+
+
+def test_a_slab_refuses_the_writes_of_an_unpacked_forward():
+    slab = SlabCache.merge([_part("a", [1])])
+    with pytest.raises(RuntimeError, match="packed"):
+        slab.layers[0].update(torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 1))
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
+def test_packed_rows_on_a_model_continue_exactly_as_each_row_alone(family):
+    """Three rows (a tree, no draft, a chain) packed for two steps: each next token is greedy decoding's."""
+    model = tiny_model(family)
+    forward = ModelForward(model)
+    prompts = [list(range(10, 40)), list(range(50, 55)), list(range(60, 80))]
+    with torch.inference_mode():
+        parts = []
+        for row, prompt in enumerate(prompts):
+            cache = forward.new_cache()
+            forward(cache, prompt, 0)
+            parts.append(BatchCache(cache, [len(prompt)], [row]))
+        slab = SlabCache.merge(parts)
+        texts = [list(prompt) for prompt in prompts]
+        for _ in range(2):
+            greedy = [hf_greedy(model, text, 3) for text in texts]
+            trees = [DraftTree(greedy[0][1:3], [0, 1]), DraftTree(), DraftTree(greedy[2][1:2], [0])]
+            trees[0] = DraftTree([*trees[0].tokens, 7], [0, 1, 0])  # a branch that fails beside the right path
+            blocks = [[greedy[row][0], *tree.tokens] for row, tree in enumerate(trees)]
+            logits = forward.rows(slab, blocks, trees, slab.lengths, tree_masks=True)
+            picks = [row.argmax(-1).tolist() for row in logits]
+            assert picks[0][:3] == [*greedy[0][1:3], hf_greedy(model, texts[0] + greedy[0][:3], 1)[0]]
+            assert picks[1][0] == greedy[1][1]
+            assert picks[2][:2] == greedy[2][1:3]
+            slab.keep([[0, 1, 2], [0], [0, 1]])
+            texts = [text + greedy[row][: [3, 1, 2][row]] for row, text in enumerate(texts)]
+        assert slab.lengths == [len(text) for text in texts]
