@@ -37,11 +37,15 @@ def test_causal_inputs_for_a_chain():
 
 def test_packed_inputs_carry_only_real_tokens_and_mask_each_row_in_its_own_columns():
     tree = DraftTree([7, 8, 9], [0, 0, 1])  # root r; a, b under r; c under a
-    ids, mask, positions, packed = packed_inputs([[1, 7, 8, 9], [2]], [tree, None], [3, 5], torch.float32, "cpu")
+    ids, positions, packed = packed_inputs([[1, 7, 8, 9], [2]], [tree, None], [3, 5], torch.float32, "cpu")
     assert ids.tolist() == [[1, 7, 8, 9, 2]]
     assert positions.tolist() == [[3, 4, 4, 5, 5]], "each row's root at its own length, nodes by depth"
-    assert mask.shape == (2, 1, 4, packed.end) and packed.end == 7
-    allowed = (mask[:, 0] == 0).int().tolist()
-    assert allowed[0] == [[1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 1, 0], [1, 1, 1, 1, 1, 0, 1]]
-    assert allowed[1][0] == [1, 1, 1, 1, 1, 1, 0], "row 1's root right after its own 5 entries"
-    assert allowed[1][1:] == [[1, 1, 1, 1, 1, 0, 0]] * 3, "padding slots see the row's entries only: never NaN"
+    assert packed.rows.tolist() == [0, 0, 0, 0, 1] and packed.columns.tolist() == [3, 4, 5, 6, 5]
+    assert packed.roots.tolist() == [0, 4] and packed.end == 7
+    roots = (packed.root_mask[:, 0, 0] == 0).int().tolist()
+    assert roots == [[1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 0]], "a root sees its row's entries and itself"
+    (draft,) = packed.drafts  # row 1 drafts nothing: its root alone
+    assert (draft.row, draft.start, draft.size) == (0, 1, 3)
+    nodes = (draft.mask[0, 0] == 0).int().tolist()
+    assert nodes == [[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 1, 0], [1, 1, 1, 1, 1, 0, 1]], "each node: its ancestors"
+    assert packed.root_mask.min() == torch.finfo(torch.float32).min

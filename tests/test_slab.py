@@ -8,7 +8,8 @@ from transformers import DynamicCache
 
 from lookahead.decoding.forward import ModelForward
 from lookahead.decoding.kvcache import BatchCache
-from lookahead.decoding.slab import GROWTH_MARGIN, Packing, SlabCache, packing
+from lookahead.decoding.masks import packed_inputs
+from lookahead.decoding.slab import GROWTH_MARGIN, SlabCache
 from lookahead.drafting.tree import DraftTree
 
 
@@ -31,7 +32,9 @@ def _rows(slab: SlabCache) -> list[list[float]]:
 def _write(slab: SlabCache, blocks: list[list[float]]) -> None:
     """What a packed forward pass does to the layer: every row's block written right after its entries."""
     slab.reserve([len(block) for block in blocks])
-    slab.packing = packing(blocks, slab.lengths, "cpu")
+    slab.packing = packed_inputs(
+        [[0] * len(b) for b in blocks], [None] * len(blocks), slab.lengths, torch.float32, "cpu"
+    )[2]
     flat = torch.tensor([value for block in blocks for value in block], dtype=torch.float32).view(1, 1, -1, 1)
     slab.layers[0].update(flat, flat * 10)
     slab.packing = None
@@ -75,16 +78,6 @@ def test_a_slab_merges_with_a_joining_row_and_grows_without_losing_entries():
 def test_new_columns_are_zero_so_masked_keys_stay_finite():
     slab = SlabCache.merge([_part("a", [1])])
     assert torch.count_nonzero(slab.layers[0].keys[0, 0, 1:]).item() == 0
-
-
-def test_packing_indexes_real_tokens_and_their_padded_slots():
-    packed = packing([[1, 2, 3], [4], [5, 6]], [10, 4, 7], "cpu")
-    assert isinstance(packed, Packing) and packed.width == 3
-    assert packed.rows.tolist() == [0, 0, 0, 1, 2, 2]
-    assert packed.columns.tolist() == [10, 11, 12, 4, 7, 8]
-    assert packed.tokens.tolist() == [0, 1, 2, 3, 6, 7]
-    assert packed.slots.tolist() == [0, 1, 2, 3, 3, 3, 4, 5, 4], "a padding slot reads one of its own row's tokens"
-    assert packed.end == 13
 
 
 def test_a_slab_refuses_the_writes_of_an_unpacked_forward():

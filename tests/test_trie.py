@@ -1,3 +1,4 @@
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -73,6 +74,19 @@ def test_a_learned_chance_reorders_the_draft():
 
     prompt_first = trie.retrieve([1], 2, 4, request="r", chance=prefer_prompt)
     assert prompt_first.tokens == [7, 8] and prompt_first.scores == [0.25, 0.25]  # scores stay the trie's own
+
+
+def test_learned_chances_of_siblings_never_add_up_past_one():
+    trie = TokenTrie(ngram_length=3)
+    for follower in range(10, 20):  # ten answers continued [1] ten ways, each once
+        trie.observe("answers", [1, follower, follower + 50])
+    generous = trie.retrieve([1], 30, 2, chance=lambda flags, ratio, deep: 0.5)
+    first = [chance for chance, parent in zip(generous.chances, generous.parents, strict=True) if parent == 0]
+    assert len(first) == 10 and sum(first) == pytest.approx(1.0), "only one of them can be accepted"
+    deeper = [chance for chance, parent in zip(generous.chances, generous.parents, strict=True) if parent > 0]
+    assert deeper and all(chance == pytest.approx(0.05) for chance in deeper), "an only child keeps its own 0.5"
+    modest = trie.retrieve([1], 30, 2, chance=lambda flags, ratio, deep: 0.05)
+    assert [c for c, p in zip(modest.chances, modest.parents, strict=True) if p == 0] == pytest.approx([0.05] * 10)
 
 
 def test_end_of_turn_is_a_boundary_not_an_end():

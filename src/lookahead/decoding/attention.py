@@ -43,21 +43,10 @@ def grouped_sdpa_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' SDPA attention, except that a masked block of several queries reads grouped heads in place."""
-    groups = getattr(module, "num_key_value_groups", 1)
-    own_case = (
-        attention_mask is not None
-        and query.shape[2] > 1
-        and groups > 1
-        and query.device.type == "cpu"
-        and kwargs.get("position_bias") is None
-        and kwargs.get("softcap") is None
-    )
-    if not own_case:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    output = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
-    )
-    return output.transpose(1, 2).contiguous(), None
+    grouped = getattr(module, "num_key_value_groups", 1) > 1
+    if attention_mask is not None and query.shape[2] > 1 and grouped and _in_place(module, query, kwargs):
+        return _torch_sdpa(module, query, key, value, attention_mask, dropout, scaling), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
 
 def packed_sdpa_forward(
@@ -71,18 +60,47 @@ def packed_sdpa_forward(
     lookahead_packing: Packing | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Attention of a packed batch (decoding/slab.py): queries unpacked per row, attended, packed again.
+    """Attention of a packed batch (decoding/slab.py): every row's root in one call, each drafting row's nodes in one.
 
     The query is (1, heads, T, dim) over the real tokens of every row; the keys and values
-    are the slab's (rows, kv heads, columns, dim). Without a packing this is GROUPED_SDPA.
+    are the slab's (rows, kv heads, columns, dim). A drafting row's nodes read that row's
+    keys only, so no row pays for another's width. Without a packing this is GROUPED_SDPA.
     """
     if lookahead_packing is None:
         return grouped_sdpa_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    rows, width = key.shape[0], lookahead_packing.width
-    heads, dim = query.shape[1], query.shape[-1]
-    padded = query[0].index_select(1, lookahead_packing.slots).view(heads, rows, width, dim).transpose(0, 1)
-    output, _ = grouped_sdpa_forward(module, padded, key, value, attention_mask, dropout, scaling, **kwargs)
-    return output.reshape(rows * width, heads, dim).index_select(0, lookahead_packing.tokens)[None], None
+    packing = lookahead_packing
+    in_place = _in_place(module, query, kwargs)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if in_place:
+            return _torch_sdpa(module, q, k, v, mask, dropout, scaling)
+        return sdpa_attention_forward(module, q, k, v, mask, dropout, scaling, **kwargs)[0]
+
+    flat = query[0].transpose(0, 1)  # (T, heads, dim)
+    output = torch.empty_like(flat)
+    roots = flat.index_select(0, packing.roots)[:, :, None]  # (B, heads, 1, dim)
+    output.index_copy_(0, packing.roots, attend(roots, key, value, packing.root_mask)[:, 0])
+    for draft in packing.drafts:
+        nodes = flat[draft.start : draft.start + draft.size].transpose(0, 1)[None]  # (1, heads, size, dim)
+        keys = draft.mask.shape[-1]
+        row = slice(draft.row, draft.row + 1)
+        seen = attend(nodes, key[row, :, :keys], value[row, :, :keys], draft.mask)
+        output[draft.start : draft.start + draft.size] = seen[0]
+    return output[None], None
+
+
+def _in_place(module: torch.nn.Module, query: torch.Tensor, kwargs: dict) -> bool:
+    """Whether torch's SDPA takes this layer's grouped heads in place, with a mask: on CPUs, without biases."""
+    return query.device.type == "cpu" and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
+
+
+def _torch_sdpa(module, query, key, value, mask, dropout: float, scaling: float | None) -> torch.Tensor:
+    """(batch, queries, heads, dim) of torch's SDPA, grouped heads read in place."""
+    groups = getattr(module, "num_key_value_groups", 1) > 1
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=groups
+    )
+    return output.transpose(1, 2)
 
 
 for _name, _function in ((GROUPED_SDPA, grouped_sdpa_forward), (PACKED_SDPA, packed_sdpa_forward)):

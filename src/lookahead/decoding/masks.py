@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..drafting.tree import DraftTree
-from .slab import Packing, packing
+from .slab import Draft, Packing
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """input_ids (B, Q), attention_mask (2-D or 4-D), position_ids (B, Q)."""
@@ -98,28 +98,38 @@ def packed_inputs(
     lengths: Sequence[int],
     dtype: torch.dtype,
     device: torch.device | str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Packing]:
-    """Inputs of the rows' blocks packed into one sequence, each written right after its row's `lengths[b]` entries.
+) -> tuple[torch.Tensor, torch.Tensor, Packing]:
+    """input_ids and position_ids (1, T) of the rows' blocks packed, each after its row's `lengths[b]` entries.
 
-    input_ids and position_ids are (1, T) over the real tokens only; the mask is (B, 1, W, end)
-    over the padded query layout attention unpacks to (slab.py): row b's slot j sees the row's
-    cached entries and, within its block, its own ancestors; a padding slot sees the cached
-    entries only (its output is dropped).
+    The packing (slab.py) says where each token is written and holds the masks attention
+    reads per row: the roots' (every row's root sees its row's entries and itself) and each
+    drafting row's (its nodes see the row's entries, the root and their own ancestors).
     """
-    packed = packing(blocks, lengths, device)
-    sizes = torch.tensor([len(block) for block in blocks])
     ids = torch.tensor([[token for block in blocks for token in block]], dtype=torch.long, device=device)
-    depths = [depth for block, tree in zip(blocks, trees, strict=True) for depth in _depths(block, tree)]
-    cached = torch.tensor(lengths, dtype=torch.long)
-    positions = (torch.tensor(depths, dtype=torch.long) + cached.repeat_interleave(sizes)).to(device)[None]
-    seen = torch.arange(packed.end, device=device)[None, :] < cached.to(device)[:, None]
-    allowed = seen[:, None, :].repeat(1, packed.width, 1)
+    depths, rows, columns, roots, drafts = [], [], [], [], []
     for row, (block, tree, length) in enumerate(zip(blocks, trees, lengths, strict=True)):
         size = len(block)
-        within = tree.ancestor_matrix() if tree is not None else np.tri(size, dtype=bool)
-        allowed[row, :size, length : length + size] = torch.from_numpy(within).to(device)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
-    return ids, mask[:, None], positions, packed
+        start = len(depths)
+        depths += [length + depth for depth in _depths(block, tree)]
+        rows += [row] * size
+        columns += range(length, length + size)
+        roots.append(start)
+        if size > 1:
+            within = tree.ancestor_matrix() if tree is not None else np.tri(size, dtype=bool)
+            allowed = np.ones((size - 1, length + size), dtype=bool)
+            allowed[:, length:] = within[1:]
+            drafts.append(Draft(row, start + 1, size - 1, _additive(allowed, dtype, device)[None, None]))
+    end = max(length + len(block) for length, block in zip(lengths, blocks, strict=True))
+    seen = torch.arange(end)[None, :] <= torch.tensor(lengths)[:, None]  # the row's entries and its root
+    as_tensors = (torch.tensor(values, dtype=torch.long, device=device) for values in (rows, columns, roots))
+    packing = Packing(*as_tensors, _additive(seen.numpy(), dtype, device)[:, None, None], tuple(drafts), end)
+    return ids, torch.tensor([depths], dtype=torch.long, device=device), packing
+
+
+def _additive(allowed: np.ndarray, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """An additive mask: 0 where `allowed`, dtype's min elsewhere."""
+    hidden = torch.from_numpy(~allowed).to(device)
+    return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, torch.finfo(dtype).min)
 
 
 def _depths(block: Sequence[int], tree: DraftTree | None) -> Sequence[int]:

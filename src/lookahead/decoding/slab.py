@@ -6,8 +6,10 @@ costs about the same, a third of a drafting step's tokens at 8 rows were padding
 measured on the five mixed sets), and transformers' `DynamicCache` copied every layer's
 cache to append each step. Here the rows' blocks are packed into one sequence of real tokens
 (the linear layers see nothing else), each row's new entries are written into its own row
-of the slab right after its cached ones (no copy of older entries), and attention unpacks
-the queries per row (attention.py: PACKED_SDPA). After verification only the accepted
+of the slab right after its cached ones (no copy of older entries), and attention reads per
+row only what the row has: all roots in one call, each drafting row's nodes in one more
+(attention.py: PACKED_SDPA) — padded to the widest row, attention cost a third more at one
+row of 17 tokens beside seven of 1 than at eight of 3. After verification only the accepted
 entries move, inside the row's block.
 
 Capacity grows by doubling, so a row costs what the longest row's tokens need. Rows join by
@@ -29,21 +31,31 @@ GROWTH_MARGIN = 64
 """Columns of room a new slab gets beyond its longest row, for the next blocks."""
 
 
+class Draft(NamedTuple):
+    """A row's draft nodes in a packed pass: attended on their own, over that row's entries only."""
+
+    row: int
+    start: int
+    """Where the nodes begin among the packed tokens (right after the row's root)."""
+    size: int
+    mask: torch.Tensor
+    """(1, 1, size, keys) additive: the row's cached entries, its root, and each node's own ancestors."""
+
+
 class Packing(NamedTuple):
-    """Where the tokens of one packed forward pass come from and go to."""
+    """Where the tokens of one packed forward pass are written, and how attention reads them per row."""
 
     rows: torch.Tensor
     """(T,) the slab row of each packed token."""
     columns: torch.Tensor
     """(T,) the slab column each token's key and value are written to."""
-    slots: torch.Tensor
-    """(B * W,) for each (row, slot) of the padded layout, the packed token it reads (padding: one of its row's)."""
-    tokens: torch.Tensor
-    """(T,) for each packed token, its (row, slot) in the padded layout: row * W + slot."""
-    width: int
-    """W: the widest row's block."""
+    roots: torch.Tensor
+    """(B,) where each row's root is among the packed tokens: the roots attend together, one query a row."""
+    root_mask: torch.Tensor
+    """(B, 1, 1, end) additive: a row's root sees the row's cached entries and itself."""
+    drafts: tuple[Draft, ...]
     end: int
-    """Columns attention reads: the furthest any row's block reaches."""
+    """Columns the roots' attention reads: the furthest any row's block reaches."""
 
 
 class SlabLayer(CacheLayerMixin):
@@ -177,20 +189,3 @@ def _widened(states: torch.Tensor, columns: int) -> torch.Tensor:
     wider = states.new_zeros((*states.shape[:-2], columns, states.shape[-1]))
     wider[..., : states.shape[-2], :] = states
     return wider
-
-
-def packing(blocks: Sequence[Sequence[int]], lengths: Sequence[int], device: torch.device | str) -> Packing:
-    """The packing of row b's block written right after its `lengths[b]` cached entries."""
-    widths = [len(block) for block in blocks]
-    width = max(widths)
-    rows, columns, slots, tokens = [], [], [], []
-    start = 0
-    for row, (size, length) in enumerate(zip(widths, lengths, strict=True)):
-        rows += [row] * size
-        columns += range(length, length + size)
-        tokens += range(row * width, row * width + size)
-        slots += [*range(start, start + size), *[start] * (width - size)]
-        start += size
-    end = max(length + size for length, size in zip(lengths, widths, strict=True))
-    as_tensors = (torch.tensor(v, dtype=torch.long, device=device) for v in (rows, columns, slots, tokens))
-    return Packing(*as_tensors, width=width, end=end)

@@ -327,9 +327,17 @@ class TokenTrie:
                     weight[token] = weight.get(token, 0) + count
                     flags[token] = flags.get(token, 0) | flag
             keep = budget - len(tokens) if branching else 1
-            for token in heapq.nlargest(keep, weight, key=weight.__getitem__):
-                ratio = weight[token] / total
-                child_chance = path_chance * (ratio if chance is None else chance(flags[token], ratio, parent > 0))
+            kept = heapq.nlargest(keep, weight, key=weight.__getitem__)
+            counted = [weight[token] / total for token in kept]
+            edges = (
+                counted
+                if chance is None
+                else [chance(flags[t], r, parent > 0) for t, r in zip(kept, counted, strict=True)]
+            )
+            # at most one child of a node is accepted: learned chances of siblings cannot add up past 1
+            share = 1.0 / max(1.0, sum(edges))
+            for token, ratio, edge in zip(kept, counted, edges, strict=True):
+                child_chance = path_chance * edge * share
                 if child_chance > min_score:
                     counter += 1
                     entry = (-child_chance, counter, token, parent, depth, ratio, flags[token], pooled[token])
