@@ -203,6 +203,16 @@ def test_steps_of_one_size_correct_that_size_and_not_the_shape_of_the_others():
     assert cost.predict(2) == pytest.approx(1.5 * cost.measured(2), rel=0.05)
 
 
+def test_a_wide_size_never_tried_is_priced_like_its_narrower_neighbours():
+    cost = CostModel({1: 50.0, 8: 60.0}, batched={8: {1: 100.0, 4: 110.0, 16: 200.0}})
+    for _ in range(30):  # 8 rows of 3-4 tokens run at 1.5x their measurement, plain steps as measured
+        cost.observe(4, 165.0, rows=8)
+        cost.observe(1, 100.0, rows=8)
+    assert cost.predict(16, rows=8) == pytest.approx(1.5 * cost.measured(16, rows=8), rel=0.1)
+    assert cost.predict(1, rows=8) == pytest.approx(100.0, rel=0.05), "narrower sizes keep their own"
+    assert cost.predict(16, rows=2) == pytest.approx(cost.measured(16, rows=2)), "other row counts are not told"
+
+
 def test_an_underpriced_width_is_learnt_and_then_not_chosen():
     cost = CostModel({1: 50.0, 8: 60.0}, batched={8: {1: 100.0, 4: 105.0, 8: 160.0}})
     policy = DraftPolicy(cost)
