@@ -114,3 +114,19 @@ def test_packed_rows_on_a_model_continue_exactly_as_each_row_alone(family):
             slab.keep([[0, 1, 2], [0], [0, 1]])
             texts = [text + greedy[row][: [3, 1, 2][row]] for row, text in enumerate(texts)]
         assert slab.lengths == [len(text) for text in texts]
+
+
+def test_a_slab_left_behind_is_freed_at_once():
+    import gc
+    import weakref
+
+    slab = SlabCache.merge([_part("a", [1, 2])])
+    joined = SlabCache.merge([slab, _part("b", [3])])
+    left = weakref.ref(slab)
+    gc.disable()
+    try:
+        del slab
+        assert left() is None, "no reference cycle holds a slab's tensors until the collector runs"
+    finally:
+        gc.enable()
+    assert _rows(joined) == [[1, 2], [3]]

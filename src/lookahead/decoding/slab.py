@@ -18,6 +18,7 @@ copying their prefilled cache in (once per request) and leave by being dropped.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
@@ -66,7 +67,7 @@ class SlabLayer(CacheLayerMixin):
 
     def __init__(self, slab: SlabCache, keys: torch.Tensor, values: torch.Tensor) -> None:
         super().__init__()
-        self.slab = slab
+        self._slab = weakref.ref(slab)  # no cycle: a slab left behind by a join is freed at once, not by the collector
         self.keys, self.values = keys, values
         self.is_initialized = True
         self.device = keys.device
@@ -76,7 +77,7 @@ class SlabLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Write the packed block's (1, heads, T, dim) states into their rows; all rows' states to the packing's end."""
-        packing = self.slab.packing
+        packing = self._slab().packing
         if packing is None:
             raise RuntimeError("a slab is written only by a packed forward pass")
         self.keys[packing.rows, :, packing.columns] = key_states[0].transpose(0, 1)
@@ -84,10 +85,10 @@ class SlabLayer(CacheLayerMixin):
         return self.keys[..., : packing.end, :], self.values[..., : packing.end, :]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.slab.past + query_length, 0
+        return self._slab().past + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self.slab.past
+        return self._slab().past
 
     def get_max_length(self) -> int:
         return -1
