@@ -12,7 +12,8 @@ row only what the row has: all roots in one call, each drafting row's nodes in o
 row of 17 tokens beside seven of 1 than at eight of 3. After verification only the accepted
 entries move, inside the row's block.
 
-Capacity grows by doubling, so a row costs what the longest row's tokens need. Rows join by
+Capacity grows GROWTH_MARGIN columns past the longest row at a time, so a row costs what the
+longest row's tokens need, and a little more. Rows join by
 copying their prefilled cache in (once per request) and leave by being dropped.
 """
 
@@ -28,8 +29,8 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .kvcache import BatchCache, has_sliding_layers
 
-GROWTH_MARGIN = 64
-"""Columns of room a new slab gets beyond its longest row, for the next blocks."""
+GROWTH_MARGIN = 128
+"""Columns of room a slab gets beyond its longest row when built or grown, for the next blocks."""
 
 
 class Draft(NamedTuple):
@@ -120,11 +121,16 @@ class SlabCache(Cache):
         return self.layers[0].keys.shape[-2]
 
     def reserve(self, widths: Sequence[int]) -> None:
-        """Room for row b to write `widths[b]` entries after its own: capacity doubles when short."""
+        """Room for row b to write `widths[b]` entries after its own: GROWTH_MARGIN more columns than needed when short.
+
+        Not doubling: every row holds the longest row's columns, so a doubled slab held up
+        to twice what the tokens need; a copy every GROWTH_MARGIN tokens of the longest row
+        costs far less than the steps in between.
+        """
         needed = max(length + width for length, width in zip(self.lengths, widths, strict=True))
         if needed <= self.capacity:
             return
-        columns = max(needed, 2 * self.capacity)
+        columns = needed + GROWTH_MARGIN
         for layer in self.layers:
             layer.keys = _widened(layer.keys, columns)
             layer.values = _widened(layer.values, columns)
