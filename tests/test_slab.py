@@ -61,7 +61,12 @@ def test_selecting_rows_drops_and_reorders_them():
     slab = SlabCache.merge([_part("a", [1, 2, 3], [4], [5, 6])])
     kept = slab.select(["a2", "a0"])
     assert _rows(kept) == [[5, 6], [1, 2, 3]] and kept.owners == ["a2", "a0"]
-    assert slab.select(slab.owners) is slab
+    assert kept.select(kept.owners) is kept
+    left = SlabCache.merge([_part("b", [1, 2, 3], [4], [5, 6])])
+    storage = left.layers[0].keys.data_ptr()
+    remaining = left.select(["b0", "b2"])  # b1 left: the rows after it move up in place
+    assert _rows(remaining) == [[1, 2, 3], [5, 6]] and remaining.owners == ["b0", "b2"]
+    assert remaining.layers[0].keys.data_ptr() == storage, "a leave allocates nothing"
 
 
 def test_a_slab_merges_with_a_joining_row_and_grows_without_losing_entries():

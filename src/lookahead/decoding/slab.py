@@ -153,27 +153,54 @@ class SlabCache(Cache):
         self.lengths = [length + len(indices) for length, indices in zip(self.lengths, kept, strict=True)]
 
     def select(self, owners: Sequence[Hashable]) -> SlabCache:
-        """The rows of `owners`, in that order (this cache is consumed)."""
+        """The rows of `owners`, in that order (this cache is consumed).
+
+        Rows kept in their order (others left) move up in place, so a leave allocates nothing.
+        """
         rows = [self.owners.index(owner) for owner in owners]
         if rows == list(range(len(self.owners))):
             return self
-        index = torch.tensor(rows, device=self.layers[0].keys.device)
-        layers = [(layer.keys.index_select(0, index), layer.values.index_select(0, index)) for layer in self.layers]
-        return SlabCache(layers, [self.lengths[row] for row in rows], owners)
+        if rows != sorted(rows):
+            index = torch.tensor(rows, device=self.layers[0].keys.device)
+            layers = [(layer.keys.index_select(0, index), layer.values.index_select(0, index)) for layer in self.layers]
+            return SlabCache(layers, [self.lengths[row] for row in rows], owners)
+        for layer in self.layers:
+            for name in ("keys", "values"):
+                states = getattr(layer, name)
+                for target, source in enumerate(rows):
+                    if target != source:  # source > target: rows only move up
+                        states[target].copy_(states[source])
+                setattr(layer, name, states[: len(rows)])
+        self.lengths = [self.lengths[row] for row in rows]
+        self.owners = list(owners)
+        return self
 
     @classmethod
     def merge(cls, parts: Sequence[BatchCache | SlabCache]) -> SlabCache:
-        """One slab of all rows of `parts` (padded batches or slabs), in order (the parts are consumed)."""
+        """One slab of all rows of `parts` (padded batches or slabs), in order (the parts are consumed).
+
+        Each layer is copied into its new slab and dropped from its part at once, so a join
+        holds little more than one slab at its peak, not the old and the new one whole.
+        """
         if any(isinstance(part, BatchCache) and has_sliding_layers(part.cache) for part in parts):
             raise ValueError("sliding-window layers cannot hold rows of different lengths")
         lengths = [length for part in parts for length in part.lengths]
         columns = max(max(lengths) + GROWTH_MARGIN, *(_stored(part) for part in parts))
+        part_layers = [_layers(part) for part in parts]
         layers = []
-        for number in range(len(_layers(parts[0]))):
+        for number in range(len(part_layers[0])):
             pair = []
             for name in ("keys", "values"):
-                states = [getattr(_layers(part)[number], name) for part in parts]
-                pair.append(torch.cat([_widened(s[..., :columns, :], columns) for s in states], dim=0))
+                states = [getattr(own[number], name) for own in part_layers]
+                merged = states[0].new_zeros((len(lengths), states[0].shape[1], columns, states[0].shape[-1]))
+                row = 0
+                for own, state in zip(part_layers, states, strict=True):
+                    stored = min(state.shape[-2], columns)
+                    merged[row : row + state.shape[0], :, :stored] = state[..., :stored, :]
+                    row += state.shape[0]
+                    setattr(own[number], name, None)
+                pair.append(merged)
+                del states
             layers.append((pair[0], pair[1]))
         return cls(layers, lengths, [owner for part in parts for owner in part.owners])
 
