@@ -67,6 +67,7 @@ def test_selecting_rows_drops_and_reorders_them():
     remaining = left.select(["b0", "b2"])  # b1 left: the rows after it move up in place
     assert _rows(remaining) == [[1, 2, 3], [5, 6]] and remaining.owners == ["b0", "b2"]
     assert remaining.layers[0].keys.data_ptr() == storage, "a leave allocates nothing"
+    assert SlabCache.merge([remaining]) is remaining, "nor does the merge of what is left"
 
 
 def test_a_slab_merges_with_a_joining_row_and_grows_without_losing_entries():

@@ -182,6 +182,8 @@ class SlabCache(Cache):
         Each layer is copied into its new slab and dropped from its part at once, so a join
         holds little more than one slab at its peak, not the old and the new one whole.
         """
+        if len(parts) == 1 and isinstance(parts[0], SlabCache):
+            return parts[0]  # rows only left: `select` moved them in place already
         if any(isinstance(part, BatchCache) and has_sliding_layers(part.cache) for part in parts):
             raise ValueError("sliding-window layers cannot hold rows of different lengths")
         lengths = [length for part in parts for length in part.lengths]
