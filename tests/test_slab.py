@@ -81,6 +81,33 @@ def test_a_slab_merges_with_a_joining_row_and_grows_without_losing_entries():
     assert _rows(joined) == [[1, 2, *long_block], [7, 8, 9, 10]]
 
 
+def test_a_row_joining_after_a_leave_is_copied_into_the_spare_row():
+    slab = SlabCache.merge([_part("a", [1, 2, 3], [4], [5, 6])])
+    storage = slab.layers[0].keys.data_ptr()
+    slab = slab.select(["a0", "a2"])
+    assert slab.layers[0].spare_rows == 1
+    joined = SlabCache.merge([slab, _part("b", [7, 8])])
+    assert joined is slab and joined.layers[0].keys.data_ptr() == storage, "no new slab: one row copied in"
+    assert _rows(joined) == [[1, 2, 3], [5, 6], [7, 8]] and joined.owners == ["a0", "a2", "b0"]
+    _write(joined, [[10], [11], [12]])
+    joined.keep([[0], [0], [0]])
+    assert _rows(joined) == [[1, 2, 3, 10], [5, 6, 11], [7, 8, 12]], "the joined row's stale columns were overwritten"
+
+
+def test_joiners_that_do_not_fit_the_spare_rows_build_a_new_slab():
+    slab = SlabCache.merge([_part("a", [1], [2])]).select(["a1"])
+    two = SlabCache.merge([slab, _part("b", [3], [4])])  # two joiners, one spare row
+    assert two is not slab and _rows(two) == [[2], [3], [4]]
+    left = two.select(["a1", "b1"])
+    long_row = [float(v) for v in range(left.capacity + 1)]
+    wide = SlabCache.merge([left, _part("c", long_row)])  # longer than the slab's columns
+    assert wide is not left and _rows(wide) == [[2], [4], long_row]
+    spare = wide.select(["a1", "c0"])
+    spare.reserve([spare.capacity, 1])
+    assert spare.layers[0].spare_rows == 0, "growing keeps the rows in use only"
+    assert _rows(spare) == [[2], long_row]
+
+
 def test_new_columns_are_zero_so_masked_keys_stay_finite():
     slab = SlabCache.merge([_part("a", [1])])
     assert torch.count_nonzero(slab.layers[0].keys[0, 0, 1:]).item() == 0

@@ -13,8 +13,11 @@ row of 17 tokens beside seven of 1 than at eight of 3. After verification only t
 entries move, inside the row's block.
 
 Capacity grows GROWTH_MARGIN columns past the longest row at a time, so a row costs what the
-longest row's tokens need, and a little more. Rows join by
-copying their prefilled cache in (once per request) and leave by being dropped.
+longest row's tokens need, and a little more. Rows leave by the later rows moving up in place,
+which leaves the slab's last rows spare; a joining row's prefilled cache is copied into a spare
+row (once per request), so in a full batch, where a row leaves before the next joins, a join
+copies that row only — building a new slab copied every row's cache (0.15-0.19 s at 8 rows).
+Spare rows are given up when the slab next grows.
 """
 
 from __future__ import annotations
@@ -69,9 +72,18 @@ class SlabLayer(CacheLayerMixin):
     def __init__(self, slab: SlabCache, keys: torch.Tensor, values: torch.Tensor) -> None:
         super().__init__()
         self._slab = weakref.ref(slab)  # no cycle: a slab left behind by a join is freed at once, not by the collector
-        self.keys, self.values = keys, values
+        self.hold(keys, values, keys.shape[0])
         self.is_initialized = True
         self.device = keys.device
+
+    def hold(self, keys: torch.Tensor, values: torch.Tensor, rows: int) -> None:
+        """Keep `keys` and `values` whole (their rows past `rows` spare, for joins) and use their first `rows` rows."""
+        self.room = (keys, values)
+        self.keys, self.values = keys[:rows], values[:rows]
+
+    @property
+    def spare_rows(self) -> int:
+        return self.room[0].shape[0] - self.keys.shape[0]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         raise RuntimeError("a slab is built from prefilled rows")
@@ -132,8 +144,7 @@ class SlabCache(Cache):
             return
         columns = needed + GROWTH_MARGIN
         for layer in self.layers:
-            layer.keys = _widened(layer.keys, columns)
-            layer.values = _widened(layer.values, columns)
+            layer.hold(_widened(layer.keys, columns), _widened(layer.values, columns), len(self.lengths))
 
     def keep(self, kept: Sequence[Sequence[int]], block_size: int = 0) -> None:
         """Keep, of row b's block (written after its entries), the indices `kept[b]` (root first, ascending)."""
@@ -165,12 +176,11 @@ class SlabCache(Cache):
             layers = [(layer.keys.index_select(0, index), layer.values.index_select(0, index)) for layer in self.layers]
             return SlabCache(layers, [self.lengths[row] for row in rows], owners)
         for layer in self.layers:
-            for name in ("keys", "values"):
-                states = getattr(layer, name)
+            for states in (layer.keys, layer.values):
                 for target, source in enumerate(rows):
                     if target != source:  # source > target: rows only move up
                         states[target].copy_(states[source])
-                setattr(layer, name, states[: len(rows)])
+            layer.hold(*layer.room, len(rows))
         self.lengths = [self.lengths[row] for row in rows]
         self.owners = list(owners)
         return self
@@ -182,10 +192,12 @@ class SlabCache(Cache):
         Each layer is copied into its new slab and dropped from its part at once, so a join
         holds little more than one slab at its peak, not the old and the new one whole.
         """
-        if len(parts) == 1 and isinstance(parts[0], SlabCache):
-            return parts[0]  # rows only left: `select` moved them in place already
         if any(isinstance(part, BatchCache) and has_sliding_layers(part.cache) for part in parts):
             raise ValueError("sliding-window layers cannot hold rows of different lengths")
+        first = parts[0]
+        if isinstance(first, SlabCache) and first.has_room_for(parts[1:]):
+            first.take_in(parts[1:])  # rows only left (`select` moved them in place), or joiners fit spare rows
+            return first
         lengths = [length for part in parts for length in part.lengths]
         columns = max(max(lengths) + GROWTH_MARGIN, *(_stored(part) for part in parts))
         part_layers = [_layers(part) for part in parts]
@@ -205,6 +217,28 @@ class SlabCache(Cache):
                 del states
             layers.append((pair[0], pair[1]))
         return cls(layers, lengths, [owner for part in parts for owner in part.owners])
+
+    def has_room_for(self, parts: Sequence[BatchCache | SlabCache]) -> bool:
+        """Whether the rows of `parts` fit this slab's spare rows, within its columns."""
+        rows = sum(len(part.lengths) for part in parts)
+        columns = max((layer.keys.shape[-2] for part in parts for layer in _layers(part)), default=0)
+        return rows <= self.layers[0].spare_rows and columns <= self.capacity
+
+    def take_in(self, parts: Sequence[BatchCache | SlabCache]) -> None:
+        """Copy the rows of `parts` into spare rows, after this slab's own (the parts are consumed)."""
+        part_layers = [_layers(part) for part in parts]
+        for number, layer in enumerate(self.layers):
+            row = len(self.lengths)
+            for own in part_layers:
+                added = own[number].keys.shape[0]
+                for room, name in zip(layer.room, ("keys", "values"), strict=True):
+                    state = getattr(own[number], name)
+                    room[row : row + added, :, : state.shape[-2]] = state
+                    setattr(own[number], name, None)  # dropped as copied: a join holds one part's layer at most
+                row += added
+            layer.hold(*layer.room, row)
+        self.lengths += [length for part in parts for length in part.lengths]
+        self.owners += [owner for part in parts for owner in part.owners]
 
 
 def _layers(part: BatchCache | SlabCache) -> list:
