@@ -101,8 +101,8 @@ def test_summary_keeps_data_sets_with_the_same_prompt_keys_apart():
 def test_batch_benchmark_on_a_few_prompts(tmp_path):
     from lookahead.bench.batchbench import main as batch_main
 
-    args = ["--prompts", "3", "--max-new-tokens", "6", "--streams", "1,2", "--out", str(tmp_path)]
-    assert batch_main(args) == 0
+    args = ["--prompts", "3", "--prompts-per-stream", "2", "--max-new-tokens", "6", "--streams", "1,2"]
+    assert batch_main([*args, "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "batch.json").read_text())
     methods = {(row["streams"], row["method"]) for row in result["results"]}
     assert methods == {(1, "lookahead, one at a time")} | {
@@ -111,11 +111,30 @@ def test_batch_benchmark_on_a_few_prompts(tmp_path):
         for method in ("batched lookahead", "batched plain", "transformers generate, static batches")
     }
     for row in result["results"]:
-        assert row["exact_match"] == 1.0 and row["requests"] == 3 and 0 < row["new_tokens"] <= 18
+        requests = 4 if row["method"] == "lookahead, one at a time" else max(3, 2 * row["streams"])
+        assert row["exact_match"] == 1.0 and row["requests"] == requests and 0 < row["new_tokens"] <= 6 * requests
         assert row["tokens_per_s"] > 0
+        if row["method"].startswith("batched"):  # a request waited in every run: its rounds are counted apart
+            assert row["saturated_tokens_per_s"] > 0
     assert "| 2 | batched lookahead |" in (tmp_path / "batch.md").read_text()
     for plot in ("throughput.png", "latency.png"):
         assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--sets", "humaneval,poetry"], "--sets"),
+        (["--streams", "0,2"], "--streams"),
+        (["--prompts", "0"], "--prompts"),
+    ],
+)
+def test_batch_benchmark_refuses_bad_arguments(args, named, capsys):
+    from lookahead.bench.batchbench import main as batch_main
+
+    with pytest.raises(SystemExit) as exit_:
+        batch_main(args)
+    assert exit_.value.code == 2 and named in capsys.readouterr().err
 
 
 def test_long_document_benchmark_on_short_documents(tmp_path):

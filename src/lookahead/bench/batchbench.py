@@ -2,14 +2,21 @@
 
 C streams are a closed loop of C clients: each sends the next prompt as soon as its answer is
 complete, which is a continuous batch of at most C generations (a finished one makes room for
-the next prompt at once). For every C: batched lookahead and batched plain decoding through the
-same model (each run with an empty trie, the two taking turns round by round, each timed by its
-own rounds: a shared machine's slow spells fall on both), and transformers' `model.generate` on padded batches
-of C prompts (a static batch: every row waits for the longest); once, for reference,
-lookahead one request at a time (what the server did before batching). Reported per method
-and C: total tokens/s with prefill, decode tokens/s (steps only), per-request p50/p99
-latency and time to first token (from the moment its client sends it), tokens per step, and
-whether every output equals plain greedy decoding.
+the next prompt at once). Each client sends at least `--prompts-per-stream` prompts: with one
+prompt a client the run is one batch that drains, and its end (the last rows running nearly
+alone) weighs as much as the full batch.
+
+For every C: batched lookahead and batched plain decoding through the same model (each run
+with an empty trie, the two taking turns round by round, each timed by its own rounds: a shared
+machine's slow spells fall on both), and transformers' `model.generate` on padded batches of C
+prompts (a static batch: every row waits for the longest); once, for reference, lookahead one
+request at a time (what the server did before batching). Reported per method and C: total
+tokens/s with prefill, decode tokens/s (steps only), per-request p50/p99 latency and time to
+first token (from the moment its client sends it), tokens per step, and whether every output
+equals plain greedy decoding. `saturated_tokens_per_s` counts only the rounds begun while a
+request was waiting for a row: the batch full, as in a service under load, without the drain
+at the end of a finite list (where a method whose rows end at different times runs its last
+rows nearly alone, while one in lock step ends them together).
 
     python -m lookahead.bench.batchbench --out benchmarks/batch-smollm2-135m
 """
@@ -31,8 +38,8 @@ from .datasets import load_prompts
 from .report import add_model_options, environment, markdown_table
 
 SETS = ["humaneval", "gsm8k", "mtbench", "code-edit", "creative"]
-COLUMNS = ["streams", "method", "requests", "tokens_per_s", "decode_tokens_per_s", "p50_latency_s",
-           "p99_latency_s", "p50_ttft_s", "tokens_per_step", "exact_match"]  # fmt: skip
+COLUMNS = ["streams", "method", "requests", "tokens_per_s", "saturated_tokens_per_s", "decode_tokens_per_s",
+           "p50_latency_s", "p99_latency_s", "p50_ttft_s", "tokens_per_step", "exact_match"]  # fmt: skip
 
 
 def _rss_mb() -> float:
@@ -54,6 +61,8 @@ class _Run:
         for generation in self.generations:
             self.batch.add(generation)
         self.clock = 0.0
+        self.saturated = [0.0, 0]
+        """Seconds and new tokens of the rounds begun while a generation was waiting for a row."""
         self.joined: dict[int, float] = {}
         self.first: dict[int, float] = {}
         self.ended: dict[int, float] = {}
@@ -61,9 +70,13 @@ class _Run:
     def round(self) -> None:
         """One round of the batch, timed; every generation's join, first token and end on this run's clock."""
         tick = self.clock
+        waiting = bool(self.batch.waiting)
         started = time.perf_counter()
         events = self.batch.step()
         self.clock += time.perf_counter() - started
+        if waiting:
+            self.saturated[0] += self.clock - tick
+            self.saturated[1] += sum(len(kept) for _, kept in events)
         for generation, _ in events:
             key = id(generation)
             self.joined.setdefault(key, tick)
@@ -77,7 +90,9 @@ class _Run:
         decode_s = self.clock - sum(out.stats.prefill_s for out in outputs)  # prefills run one after another
         latencies = [self.ended[k] - self.joined[k] for k in keys]
         ttfts = [self.first[k] - self.joined[k] for k in keys]
-        return outputs, _summary(outputs, self.clock, decode_s, latencies, ttfts)
+        row = _summary(outputs, self.clock, decode_s, latencies, ttfts)
+        seconds, tokens = self.saturated
+        return outputs, {**row, "saturated_tokens_per_s": round(tokens / seconds, 2) if seconds else None}
 
 
 def run_batched(engines: dict[str, LookaheadEngine], prompts: list[list[int]], streams: int, new_tokens: int) -> dict:
@@ -184,11 +199,22 @@ def hf_continuous_batching_note(model, prompts: list[list[int]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_options(parser)
-    parser.add_argument("--prompts", type=int, default=16, help="requests per run, the five sets mixed")
+    parser.add_argument("--prompts", type=int, default=16, help="requests per run at least, the sets mixed")
+    parser.add_argument("--prompts-per-stream", type=int, default=3,
+                        help="requests per client at least: C streams send max(--prompts, this x C)")  # fmt: skip
+    parser.add_argument("--sets", default=",".join(SETS), help=f"comma-separated, mixed in turn (of {', '.join(SETS)})")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--streams", default="1,2,4,8,16")
     parser.add_argument("--out", default="bench-out/batch")
     args = parser.parse_args(argv)
+    sets = [name.strip() for name in args.sets.split(",") if name.strip()]
+    if unknown := sorted(set(sets) - set(SETS)):
+        parser.error(f"--sets: unknown {', '.join(unknown)} (known: {', '.join(SETS)})")
+    if args.prompts < 1 or args.prompts_per_stream < 1:
+        parser.error("--prompts and --prompts-per-stream must be at least 1")
+    streams = [int(s) for s in args.streams.split(",")]
+    if min(streams) < 1:
+        parser.error("--streams: every count must be at least 1")
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
 
@@ -198,11 +224,14 @@ def main(argv: list[str] | None = None) -> int:
         engine.batch(max(streams))  # probe batching and price batched steps (cached) before any clock runs
         return engine
 
-    streams = [int(s) for s in args.streams.split(",")]
+    def count_at(streams: int) -> int:
+        return max(args.prompts, args.prompts_per_stream * streams)
+
     engine = fresh()
-    per_set = -(-args.prompts // len(SETS))
-    by_set = [load_prompts([name], per_set) for name in SETS]
-    mixed = [group[i] for i in range(per_set) for group in by_set if i < len(group)][: args.prompts]
+    total = max(map(count_at, streams))
+    per_set = -(-total // len(sets))
+    by_set = [load_prompts([name], per_set) for name in sets]
+    mixed = [group[i] for i in range(per_set) for group in by_set if i < len(group)][:total]
     prompts = [engine.chat_ids([{"role": "user", "content": p.text}]) for p in mixed]
     engine.generate(prompts[0], 4, use_lookahead=False)  # warm-up
 
@@ -212,15 +241,16 @@ def main(argv: list[str] | None = None) -> int:
     print(rows[-1], flush=True)
 
     def exact(outputs: list[list[int]]) -> float:
-        return round(sum(o == w for o, w in zip(outputs, want, strict=True)) / len(want), 3)
+        return round(sum(o == w for o, w in zip(outputs, want, strict=False)) / len(outputs), 3)
 
     for count in streams:
-        runs = run_batched({"lookahead": fresh(), "plain": fresh()}, prompts, count, args.max_new_tokens)
+        some = prompts[: count_at(count)]
+        runs = run_batched({"lookahead": fresh(), "plain": fresh()}, some, count, args.max_new_tokens)
         for method, (outs, row) in runs.items():
             rows.append({"streams": count, "method": f"batched {method}", **row,
                          "exact_match": exact([o.token_ids for o in outs])})  # fmt: skip
             print(rows[-1], flush=True)
-        outs, row = run_hf_static(model, tokenizer, prompts, count, args.max_new_tokens)
+        outs, row = run_hf_static(model, tokenizer, some, count, args.max_new_tokens)
         rows.append({"streams": count, "method": "transformers generate, static batches", **row,
                      "exact_match": exact(outs)})  # fmt: skip
         print(rows[-1], flush=True)
