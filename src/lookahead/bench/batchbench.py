@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     print(rows[-1], flush=True)
 
     def exact(outputs: list[list[int]]) -> float:
-        return round(sum(o == w for o, w in zip(outputs, want, strict=False)) / len(outputs), 3)
+        return round(sum(o == w for o, w in zip(outputs, want[: len(outputs)], strict=True)) / len(outputs), 3)
 
     for count in streams:
         some = prompts[: count_at(count)]
