@@ -37,3 +37,19 @@ def test_generate_compare_prints_the_speedup_line():
     assert result.returncode == 0, result.stderr
     last = result.stdout.strip().splitlines()[-1]
     assert "speedup" in last and "tokens per forward pass" in last and "identical to plain: yes" in last
+
+
+def test_config_sets_the_drafter_and_the_flags_go_over_it(capsys):
+    from lookahead import LookaheadConfig
+    from lookahead.cli import build_parser, engine_config, main
+
+    args = build_parser().parse_args(
+        ["generate", "--config", "policy=fixed,decoding_length=16", "--branch-length", "4"]
+    )
+    assert engine_config(args) == LookaheadConfig(policy="fixed", decoding_length=16, branch_length=4)
+    assert engine_config(build_parser().parse_args(["serve"])) == LookaheadConfig()
+    with pytest.raises(SystemExit) as stopped:
+        main(["serve", "--config", "policy=sometimes"])
+    assert stopped.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
+    assert line.startswith("lookahead serve: error: argument --config:") and "policy" in line

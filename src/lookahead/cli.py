@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -40,6 +41,22 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
 
 
+def _lookahead_config(text: str):
+    from .config import LookaheadConfig
+
+    try:
+        return LookaheadConfig.parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
+
+
+def _add_config_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", type=_lookahead_config, default=None, metavar="key=value,...",
+        help="drafter settings (LookaheadConfig fields), e.g. policy=fixed,decoding_length=16",
+    )  # fmt: skip
+
+
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy; above 0 samples")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -59,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--decoding-length", type=_positive, default=None, help="most draft nodes per step")
     generate.add_argument("--branch-length", type=_positive, default=None, help="deepest draft path")
     generate.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    _add_config_option(generate)
     _add_sampling_options(generate)
 
     bench = commands.add_parser("bench", help="side-by-side benchmark on the data sets")
@@ -90,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server, one engine and one shared trie")
     _add_model_options(serve)
+    _add_config_option(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--trie-path", default=None, help="load the trie from this file; save it there periodically")
@@ -110,17 +129,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _engine(args: argparse.Namespace, trie=None):
-    import torch
+def engine_config(args: argparse.Namespace):
+    """The LookaheadConfig of `--config`, with `--decoding-length` and `--branch-length` over it where given."""
+    from .config import LookaheadConfig
 
-    from . import LookaheadConfig, LookaheadEngine, load_model
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
     overrides = {
         key: value for key in ("decoding_length", "branch_length") if (value := getattr(args, key, None)) is not None
     }
-    config = LookaheadConfig(**overrides)
+    return dataclasses.replace(getattr(args, "config", None) or LookaheadConfig(), **overrides)
+
+
+def _engine(args: argparse.Namespace, trie=None):
+    import torch
+
+    from . import LookaheadEngine, load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = engine_config(args)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     return LookaheadEngine(model, tokenizer, config, trie)
 
