@@ -10,7 +10,9 @@ For every C: batched lookahead and batched plain decoding through the same model
 with an empty trie, the two taking turns round by round, each timed by its own rounds: a shared
 machine's slow spells fall on both), and transformers' `model.generate` on padded batches of C
 prompts (a static batch: every row waits for the longest); once, for reference, lookahead one
-request at a time (what the server did before batching). Reported per method and C: total
+request at a time over all the prompts (what the server did before batching). At C = 1 a third
+run takes turns with the two: the same prompts on an engine that never batched (today's
+single-stream engine), the reference of the batched path's cost at one stream. Reported per method and C: total
 tokens/s with prefill, decode tokens/s (steps only), per-request p50/p99 latency and time to
 first token (from the moment its client sends it), tokens per step, and whether every output
 equals plain greedy decoding. `saturated_tokens_per_s` counts only the rounds begun while a
@@ -19,6 +21,10 @@ at the end of a finite list (where a method whose rows end at different times ru
 rows nearly alone, while one in lock step ends them together).
 
     python -m lookahead.bench.batchbench --out benchmarks/batch-smollm2-135m
+
+`--batched-only` leaves out the one-at-a-time and transformers runs (a per-set comparison of
+the two batched methods, in a quarter of the time); outputs are then checked against batched
+plain decoding's.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from .datasets import load_prompts
 from .report import add_model_options, environment, markdown_table
 
 SETS = ["humaneval", "gsm8k", "mtbench", "code-edit", "creative"]
+SINGLE = "lookahead, single-stream engine"
+"""The 1-stream row's reference: an engine that never batched (one row, no slab), run in turn with the batches."""
 COLUMNS = ["streams", "method", "requests", "tokens_per_s", "saturated_tokens_per_s", "decode_tokens_per_s",
            "p50_latency_s", "p99_latency_s", "p50_ttft_s", "tokens_per_step", "exact_match"]  # fmt: skip
 
@@ -95,14 +103,16 @@ class _Run:
         return outputs, {**row, "saturated_tokens_per_s": round(tokens / seconds, 2) if seconds else None}
 
 
-def run_batched(engines: dict[str, LookaheadEngine], prompts: list[list[int]], streams: int, new_tokens: int) -> dict:
-    """C streams through each engine's continuous batch ("lookahead" drafts, "plain" does not), round by round in turn.
+def run_batched(
+    engines: dict[str, tuple[LookaheadEngine, bool]], prompts: list[list[int]], streams: int, new_tokens: int
+) -> dict:
+    """C streams through each engine's continuous batch (name -> (engine, whether it drafts)), round by round in turn.
 
     The methods take turns one round at a time and each is timed by its own rounds only, so
-    a slow spell of a shared machine falls on both alike instead of on whichever ran then.
-    Returns per method its outputs and figures; the peak resident memory is of both batches.
+    a slow spell of a shared machine falls on all alike instead of on whichever ran then.
+    Returns per method its outputs and figures; the peak resident memory is of all batches.
     """
-    runs = {name: _Run(engine, prompts, streams, new_tokens, name == "lookahead") for name, engine in engines.items()}
+    runs = {name: _Run(engine, prompts, streams, new_tokens, drafts) for name, (engine, drafts) in engines.items()}
     peak_rss = 0.0
     while any(run.batch for run in runs.values()):
         for run in runs.values():
@@ -205,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sets", default=",".join(SETS), help=f"comma-separated, mixed in turn (of {', '.join(SETS)})")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--streams", default="1,2,4,8,16")
+    parser.add_argument(
+        "--batched-only", action="store_true", help="only the two batched runs (outputs checked against plain's)"
+    )
     parser.add_argument("--out", default="bench-out/batch")
     args = parser.parse_args(argv)
     sets = [name.strip() for name in args.sets.split(",") if name.strip()]
@@ -218,10 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
 
-    def fresh() -> LookaheadEngine:
-        """An engine with an empty trie: no run drafts from answers an earlier run learned."""
+    def fresh(batching: bool = True) -> LookaheadEngine:
+        """An engine with an empty trie: no run drafts from answers an earlier run learned.
+
+        `batching`: probe batching and price batched steps (cached) before any clock runs; without,
+        the engine stays the single-stream engine (one row, never a slab).
+        """
         engine = LookaheadEngine(model, tokenizer)
-        engine.batch(max(streams))  # probe batching and price batched steps (cached) before any clock runs
+        if batching:
+            engine.batch(max(streams))
         return engine
 
     def count_at(streams: int) -> int:
@@ -235,31 +253,39 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [engine.chat_ids([{"role": "user", "content": p.text}]) for p in mixed]
     engine.generate(prompts[0], 4, use_lookahead=False)  # warm-up
 
-    reference, row = run_one_at_a_time(engine, prompts, args.max_new_tokens)
-    want = [out.token_ids for out in reference]
-    rows = [{"streams": 1, "method": "lookahead, one at a time", **row, "exact_match": 1.0}]
-    print(rows[-1], flush=True)
+    rows: list[dict] = []
+    want: list[list[int]] = []
+    if not args.batched_only:
+        reference, row = run_one_at_a_time(engine, prompts, args.max_new_tokens)
+        want = [out.token_ids for out in reference]
+        rows.append({"streams": 1, "method": "lookahead, one at a time", **row, "exact_match": 1.0})
+        print(rows[-1], flush=True)
 
-    def exact(outputs: list[list[int]]) -> float:
-        return round(sum(o == w for o, w in zip(outputs, want[: len(outputs)], strict=True)) / len(outputs), 3)
+    def exact(outputs: list[list[int]], reference: list[list[int]]) -> float:
+        return round(sum(o == w for o, w in zip(outputs, reference, strict=True)) / len(outputs), 3)
 
     for count in streams:
         some = prompts[: count_at(count)]
-        runs = run_batched({"lookahead": fresh(), "plain": fresh()}, some, count, args.max_new_tokens)
+        engines = {"batched lookahead": (fresh(), True), "batched plain": (fresh(), False)}
+        if count == 1:  # the same prompts one at a time on an engine that never batched, in turn with the others
+            engines[SINGLE] = (fresh(batching=False), True)
+        runs = run_batched(engines, some, count, args.max_new_tokens)
+        reference = want[: len(some)] or [out.token_ids for out in runs["batched plain"][0]]
         for method, (outs, row) in runs.items():
-            rows.append({"streams": count, "method": f"batched {method}", **row,
-                         "exact_match": exact([o.token_ids for o in outs])})  # fmt: skip
+            rows.append({"streams": count, "method": method, **row,
+                         "exact_match": exact([o.token_ids for o in outs], reference)})  # fmt: skip
             print(rows[-1], flush=True)
-        outs, row = run_hf_static(model, tokenizer, some, count, args.max_new_tokens)
-        rows.append({"streams": count, "method": "transformers generate, static batches", **row,
-                     "exact_match": exact(outs)})  # fmt: skip
-        print(rows[-1], flush=True)
+        if not args.batched_only:
+            outs, row = run_hf_static(model, tokenizer, some, count, args.max_new_tokens)
+            rows.append({"streams": count, "method": "transformers generate, static batches", **row,
+                         "exact_match": exact(outs, reference)})  # fmt: skip
+            print(rows[-1], flush=True)
     result = {
         "command": "python -m lookahead.bench.batchbench " + " ".join(sys.argv[1:] if argv is None else argv),
         "model": args.model or "smollm2-135m",
         "environment": environment(),
         "settings": vars(args),
-        "hf_continuous_batching": hf_continuous_batching_note(model, prompts),
+        "hf_continuous_batching": None if args.batched_only else hf_continuous_batching_note(model, prompts),
         "results": rows,
     }
     out = Path(args.out)
@@ -269,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "batch.md").write_text(table + "\n")
     plot(rows, out / "throughput.png", out / "latency.png", f"{result['model']}, {args.dtype}, {args.device}")
     print(table)
-    print("transformers generate_batch:", result["hf_continuous_batching"])
+    if result["hf_continuous_batching"]:
+        print("transformers generate_batch:", result["hf_continuous_batching"])
     return 0
 
 

@@ -171,7 +171,7 @@ def sweep_configs() -> dict[str, LookaheadConfig]:
 
 def record(engine: LookaheadEngine, prompts: list[Prompt], max_new_tokens: int, path: Path, progress=None) -> None:
     """Plain greedy over `prompts`, written as JSON lines after a header with the cost curve."""
-    from ..decoding.costs import measure_contexts, measure_cost
+    from ..decoding.costs import measure_contexts, measure_cost, measuring_passes
 
     rows = []
     for prompt in prompts:
@@ -186,8 +186,8 @@ def record(engine: LookaheadEngine, prompts: list[Prompt], max_new_tokens: int, 
         "eos_ids": sorted(engine.eos_ids),
         "max_new_tokens": max_new_tokens,
         "draft_mode": engine.draft_mode,
-        "cost_ms": measure_cost(engine.forward),
-        "cost_by_context": measure_contexts(engine.forward, longest),
+        "cost_ms": measure_cost(engine.forward, repeats=(passes := measuring_passes())),
+        "cost_by_context": measure_contexts(engine.forward, longest, passes),
     }
     scratch = path.with_name(path.name + ".part")
     with scratch.open("w") as out:

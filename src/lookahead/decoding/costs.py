@@ -1,8 +1,12 @@
 """What a forward pass of each width costs on this model and device: measured once, cached on disk.
 
 The adaptive policy prices every draft node with this curve (drafting/policy.py: CostModel).
-Measuring takes a few seconds, so the points are kept in the cache directory under a key of
-the model, dtype, device and thread count; a damaged or foreign cache file is measured anew.
+Measuring takes from seconds to a minute or two on a CPU (the fastest of REPEATS passes over
+every width, at a few contexts, and for batches at a few row counts), so the points are kept
+in the cache directory under a key of the model, dtype, device, thread count and passes; a
+damaged or foreign cache file is measured anew. $LOOKAHEAD_COST_PASSES sets the passes: one
+starts five times sooner and prices by a noisier curve, which the online correction of real
+steps then mends (the test suite runs with one).
 """
 
 from __future__ import annotations
@@ -28,8 +32,26 @@ COST_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # small widths are irr
 COST_CONTEXTS = (1024, 4096)
 """Longer contexts the one-row curve is measured at too (those the model's context holds); BASE_CONTEXT is the first."""
 BATCH_ROWS = (2, 4, 8, 16)
+"""Row counts whose curves are measured, up to the first that holds a batch's most rows; more are extrapolated."""
 BATCH_WIDTHS = (1, 2, 4, 8, 16, 32)
 REPEATS = 5
+PASSES_VARIABLE = "LOOKAHEAD_COST_PASSES"
+
+
+def measuring_passes() -> int:
+    """Passes a curve is the fastest of: $LOOKAHEAD_COST_PASSES, else REPEATS."""
+    text = os.environ.get(PASSES_VARIABLE, "").strip()
+    if not text:
+        return REPEATS
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"${PASSES_VARIABLE} must be a whole number of passes, at least 1; got {text!r}")
+    return int(text)
+
+
+def measured_rows(max_batch: int) -> tuple[int, ...]:
+    """The BATCH_ROWS measured for batches of at most `max_batch` rows: up to the first that holds them."""
+    reach = next((i for i, rows in enumerate(BATCH_ROWS) if rows >= max_batch), len(BATCH_ROWS) - 1)
+    return BATCH_ROWS[: reach + 1]
 
 
 def measure_cost(
@@ -79,34 +101,38 @@ def longer_contexts(forward: ModelForward) -> list[int]:
     return [length for length in COST_CONTEXTS if length + max(COST_WIDTHS) <= most]
 
 
-def measure_contexts(forward: ModelForward, longest: int) -> dict[int, dict[int, float]]:
+def measure_contexts(forward: ModelForward, longest: int, repeats: int = REPEATS) -> dict[int, dict[int, float]]:
     """The one-row curve after `longer_contexts` cached tokens, up to the first that reaches `longest` (all a run
     of contexts up to `longest` is priced from, and no 4k-token measurement for short prompts)."""
     lengths = longer_contexts(forward)
     reach = next((i for i, length in enumerate(lengths) if length >= longest), len(lengths) - 1)
-    return {length: measure_cost(forward, context=length) for length in lengths[: reach + 1]}
+    return {length: measure_cost(forward, context=length, repeats=repeats) for length in lengths[: reach + 1]}
 
 
-def cost_model(forward: ModelForward, batched: Layout | None = None, tree_masks: bool = True) -> CostModel:
-    """The cost curves of this model on this device (one row at a few contexts; with a layout, BATCH_ROWS rows).
+def cost_model(
+    forward: ModelForward, batched: Layout | None = None, tree_masks: bool = True, max_batch: int = BATCH_ROWS[-1]
+) -> CostModel:
+    """The cost curves of this model on this device (one row at a few contexts; with a layout, batches of
+    `measured_rows(max_batch)` rows).
 
     Cached on disk.
     """
+    passes = measuring_passes()
     name = getattr(forward.config, "_name_or_path", "")
-    key = f"{name}|{forward.model.dtype}|{forward.device}|threads={torch.get_num_threads()}|fastest-of={REPEATS}"
+    key = f"{name}|{forward.model.dtype}|{forward.device}|threads={torch.get_num_threads()}|fastest-of={passes}"
     if forward.attention is not None:  # another attention function, other costs
         key += f"|attention={forward.attention}"
-    wanted = {f"{key}|widths={COST_WIDTHS}": functools.partial(measure_cost, forward)}
+    wanted = {f"{key}|widths={COST_WIDTHS}": functools.partial(measure_cost, forward, repeats=passes)}
     contexts = longer_contexts(forward)
     for length in contexts:
-        measure = functools.partial(measure_cost, forward, context=length)
+        measure = functools.partial(measure_cost, forward, context=length, repeats=passes)
         wanted[f"{key}|context={length}|widths={COST_WIDTHS}"] = measure
-    if batched:
+    batch_rows = measured_rows(max_batch) if batched else ()
+    for rows in batch_rows:
         packed = batched == "packed"
-        for rows in BATCH_ROWS:
-            measure = functools.partial(measure_cost, forward, BATCH_WIDTHS, rows=rows, tree_masks=tree_masks,
-                                        packed=packed)  # fmt: skip
-            wanted[f"{key}|rows={rows}|widths={BATCH_WIDTHS}" + ("|packed" if packed else "")] = measure
+        measure = functools.partial(measure_cost, forward, BATCH_WIDTHS, repeats=passes, rows=rows,
+                                    tree_masks=tree_masks, packed=packed)  # fmt: skip
+        wanted[f"{key}|rows={rows}|widths={BATCH_WIDTHS}" + ("|packed" if packed else "")] = measure
     path = cache_dir() / "costs.json"
     known = _read(path)
     curves, measured = [], False
@@ -124,7 +150,7 @@ def cost_model(forward: ModelForward, batched: Layout | None = None, tree_masks:
             scratch.replace(path)
     single, *others = curves
     longer = dict(zip(contexts, others[: len(contexts)], strict=True))
-    per_rows = dict(zip(BATCH_ROWS, others[len(contexts) :], strict=True)) if batched else None
+    per_rows = dict(zip(batch_rows, others[len(contexts) :], strict=True)) if batched else None
     return CostModel(single, per_rows, longer)
 
 

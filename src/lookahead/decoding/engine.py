@@ -231,7 +231,7 @@ class LookaheadEngine:
         """
         _check_max_batch(max_batch)
         if max_batch > 1:
-            self._enable_batching()
+            self._enable_batching(max_batch)
         chunk = PREFILL_CHUNK if max_batch > 1 else None
         return Batch(self.verifier, self._drafting(use_lookahead), max_batch, prefill_chunk=chunk)
 
@@ -241,8 +241,11 @@ class LookaheadEngine:
     def _steps(self, generation: Generation, use_lookahead: bool) -> Iterator[list[int]]:
         return decode(generation, self.verifier, self._drafting(use_lookahead))
 
-    def _enable_batching(self) -> None:
-        """Once: probe whether rows of different lengths verify together exactly, and price batched steps."""
+    def _enable_batching(self, max_batch: int) -> None:
+        """Once: probe whether rows of different lengths verify together exactly, and price batched steps.
+
+        Steps of more rows than this first batch's `max_batch` are priced by extrapolation.
+        """
         with self._batching_lock:
             if self._batching_probed:
                 return
@@ -250,7 +253,8 @@ class LookaheadEngine:
             layout = self._model_verifier.layout = probe_batching(self.forward, self.draft_mode)
             self.policy.packed = layout == "packed"
             if layout is not None and self.policy.adaptive:
-                self.policy.cost = cost_model(self.forward, layout, tree_masks=self.draft_mode == "tree")
+                tree_masks = self.draft_mode == "tree"
+                self.policy.cost = cost_model(self.forward, layout, tree_masks, max_batch)
 
     def prepare(
         self,
