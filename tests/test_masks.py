@@ -49,3 +49,19 @@ def test_packed_inputs_carry_only_real_tokens_and_mask_each_row_in_its_own_colum
     nodes = (draft.mask[0, 0] == 0).int().tolist()
     assert nodes == [[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 1, 0], [1, 1, 1, 1, 1, 0, 1]], "each node: its ancestors"
     assert packed.root_mask.min() == torch.finfo(torch.float32).min
+
+
+def test_packed_window_masks_hide_keys_a_window_or_more_before_each_query():
+    tree = DraftTree([7, 8, 9], [0, 0, 1])  # as above; window 3: a query at position p sees positions > p - 3
+    blocks, trees, lengths = [[1, 7, 8, 9], [2]], [tree, None], [3, 5]
+    _, _, packed = packed_inputs(blocks, trees, lengths, torch.float32, "cpu", window=3, sliding_layers=frozenset({1}))
+    assert packed.sliding_layers == {1}
+    roots = (packed.window_root_mask[:, 0, 0] == 0).int().tolist()
+    assert roots == [[0, 1, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 1, 0]], "roots at positions 3 and 5"
+    (draft,) = packed.drafts
+    nodes = (draft.window_mask[0, 0] == 0).int().tolist()
+    assert nodes == [[0, 0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 0, 1, 0], [0, 0, 0, 1, 1, 0, 1]], "nodes at 4, 4 and 5"
+    unwindowed = packed_inputs(blocks, trees, lengths, torch.float32, "cpu")[2]
+    assert torch.equal(unwindowed.root_mask, packed.root_mask) and torch.equal(unwindowed.drafts[0].mask, draft.mask)
+    assert unwindowed.window_root_mask is None and unwindowed.drafts[0].window_mask is None
+    assert unwindowed.sliding_layers == frozenset()

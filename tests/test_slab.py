@@ -119,11 +119,15 @@ def test_a_slab_refuses_the_writes_of_an_unpacked_forward():
         slab.layers[0].update(torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 1))
 
 
+# Gemma 3 with a window of 8 and one layer of each kind: the rows (30, 5 and 20 tokens) are past the window
+SLIDING = {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
+
+
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
-def test_packed_rows_on_a_model_continue_exactly_as_each_row_alone(family):
+@pytest.mark.parametrize(("family", "settings"), [("llama", {}), ("gpt2", {}), ("opt", {}), ("gemma3_text", SLIDING)])
+def test_packed_rows_on_a_model_continue_exactly_as_each_row_alone(family, settings):
     """Three rows (a tree, no draft, a chain) packed for two steps: each next token is greedy decoding's."""
-    model = tiny_model(family)
+    model = tiny_model(family, **settings)
     forward = ModelForward(model)
     prompts = [list(range(10, 40)), list(range(50, 55)), list(range(60, 80))]
     with torch.inference_mode():
@@ -141,12 +145,31 @@ def test_packed_rows_on_a_model_continue_exactly_as_each_row_alone(family):
             blocks = [[greedy[row][0], *tree.tokens] for row, tree in enumerate(trees)]
             logits = forward.rows(slab, blocks, trees, slab.lengths, tree_masks=True)
             picks = [row.argmax(-1).tolist() for row in logits]
+            for row, path in enumerate([[0, 1, 2], [0], [0, 1]]):  # the logits too: a window moves them, not the picks
+                want = [forward(forward.new_cache(), texts[row] + greedy[row][: node + 1], 0)[-1] for node in path]
+                torch.testing.assert_close(logits[row][path], torch.stack(want), rtol=1e-4, atol=1e-4)
             assert picks[0][:3] == [*greedy[0][1:3], hf_greedy(model, texts[0] + greedy[0][:3], 1)[0]]
             assert picks[1][0] == greedy[1][1]
             assert picks[2][:2] == greedy[2][1:3]
             slab.keep([[0, 1, 2], [0], [0, 1]])
             texts = [text + greedy[row][: [3, 1, 2][row]] for row, text in enumerate(texts)]
         assert slab.lengths == [len(text) for text in texts]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_sliding_layer_that_kept_only_its_window_is_refused():
+    """The slab applies windows by masks over every row's full past; a layer that dropped entries cannot join."""
+    model = tiny_model("gemma3_text", **SLIDING)
+    forward = ModelForward(model)
+    with torch.inference_mode():
+        recorded = forward.new_cache()  # records the full past on sliding layers
+        forward(recorded, list(range(10, 40)), 0)
+        slab = SlabCache.merge([BatchCache(recorded, [30], ["a"])])
+        assert slab.windows == [8, None] and slab.window == 8 and slab.sliding_layers == {0}
+        dropped = DynamicCache(config=model.config)
+        forward(dropped, list(range(10, 40)), 0)
+        with pytest.raises(ValueError, match="full past"):
+            SlabCache.merge([BatchCache(dropped, [30], ["b"])])
 
 
 def test_a_slab_left_behind_is_freed_at_once():

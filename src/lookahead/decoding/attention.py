@@ -64,12 +64,14 @@ def packed_sdpa_forward(
 
     The query is (1, heads, T, dim) over the real tokens of every row; the keys and values
     are the slab's (rows, kv heads, columns, dim). A drafting row's nodes read that row's
-    keys only, so no row pays for another's width. Without a packing this is GROUPED_SDPA.
+    keys only, so no row pays for another's width. A sliding layer reads the packing's window
+    masks. Without a packing this is GROUPED_SDPA.
     """
     if lookahead_packing is None:
         return grouped_sdpa_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     packing = lookahead_packing
     in_place = _in_place(module, query, kwargs)
+    sliding = _slides(module, packing, kwargs.get("sliding_window"))
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if in_place:
@@ -79,14 +81,34 @@ def packed_sdpa_forward(
     flat = query[0].transpose(0, 1)  # (T, heads, dim)
     output = torch.empty_like(flat)
     roots = flat.index_select(0, packing.roots)[:, :, None]  # (B, heads, 1, dim)
-    output.index_copy_(0, packing.roots, attend(roots, key, value, packing.root_mask)[:, 0])
+    root_mask = packing.window_root_mask if sliding else packing.root_mask
+    output.index_copy_(0, packing.roots, attend(roots, key, value, root_mask)[:, 0])
     for draft in packing.drafts:
         nodes = flat[draft.start : draft.start + draft.size].transpose(0, 1)[None]  # (1, heads, size, dim)
         keys = draft.mask.shape[-1]
         row = slice(draft.row, draft.row + 1)
-        seen = attend(nodes, key[row, :, :keys], value[row, :, :keys], draft.mask)
+        seen = attend(nodes, key[row, :, :keys], value[row, :, :keys], draft.window_mask if sliding else draft.mask)
         output[draft.start : draft.start + draft.size] = seen[0]
     return output[None], None
+
+
+def _slides(module: torch.nn.Module, packing: Packing, window: int | None) -> bool:
+    """Whether this layer reads the window masks: its cache layer slid (the slab says), checked with the model.
+
+    The cache's layer types come from the model's config, as transformers' own masks do;
+    `window` is what the layer passed (transformers' `sliding_window` keyword), where it does.
+    """
+    if not packing.sliding_layers:
+        if window is not None:
+            raise RuntimeError("a sliding-window layer was given a packed batch without window masks")
+        return False
+    number = getattr(module, "layer_idx", None)
+    if number is None:
+        raise RuntimeError(f"{type(module).__name__} has no layer index: which layers slide is unknown")
+    sliding = number in packing.sliding_layers
+    if window is not None and not sliding:
+        raise RuntimeError(f"layer {number} slides, yet its cache did not")
+    return sliding
 
 
 def _in_place(module: torch.nn.Module, query: torch.Tensor, kwargs: dict) -> bool:

@@ -197,11 +197,17 @@ def _layout(forward: ModelForward, mode: DraftMode) -> tuple[Layout | None, str 
     """The layout, and the warning a fallback gives."""
     if mode == "off":
         return None, "generations are verified one at a time, not batched (it verifies no drafts, not even paths)"
-    if has_sliding_layers(forward.new_cache()):
-        return None, ("generations are verified one at a time, not batched (its sliding-window layers keep one "
-                      "length for all rows)")  # fmt: skip
+    unfit = {"padded": "its sliding-window layers keep one length for all rows"}
+    if not has_sliding_layers(forward.new_cache()):
+        unfit.pop("padded")
+    attention = getattr(forward.config, "_attn_implementation", None)
+    if attention != "sdpa":  # PACKED_SDPA stands in for SDPA only (attention.attention_as)
+        unfit["packed"] = f"packed batches run on SDPA attention, this model's is {attention}"
     reasons = {}
     for layout in ("packed", "padded") if mode == "tree" else ("padded",):
+        if layout in unfit:
+            reasons[layout] = unfit[layout]
+            continue
         try:
             reasons[layout] = _batch_mismatch(forward, mode, layout)
         except Exception as err:  # a model may refuse the layout outright: that too means "not this one"
@@ -209,4 +215,5 @@ def _layout(forward: ModelForward, mode: DraftMode) -> tuple[Layout | None, str 
         if reasons[layout] is None:
             packed = reasons.get("packed")
             return layout, None if packed is None else f"batched rows are padded to the widest, not packed ({packed})"
-    return None, f"generations are verified one at a time, not batched ({reasons['padded']})"
+    why = "; ".join(f"{layout}: {reason}" for layout, reason in reasons.items())
+    return None, f"generations are verified one at a time, not batched ({why})"

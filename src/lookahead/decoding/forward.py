@@ -81,7 +81,9 @@ class ModelForward:
         lengths: Sequence[int],
     ) -> list[torch.Tensor]:
         cache.reserve([len(block) for block in blocks])
-        ids, positions, packing = packed_inputs(blocks, trees, lengths, self.model.dtype, self.device)
+        ids, positions, packing = packed_inputs(
+            blocks, trees, lengths, self.model.dtype, self.device, cache.window, cache.sliding_layers
+        )
         mask = packing.root_mask  # what the model's mask preparation passes through; attention reads the packing
         kwargs: dict = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "use_cache": True}
         kwargs[self._cache_keyword] = cache

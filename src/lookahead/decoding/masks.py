@@ -98,12 +98,16 @@ def packed_inputs(
     lengths: Sequence[int],
     dtype: torch.dtype,
     device: torch.device | str,
+    window: int | None = None,
+    sliding_layers: frozenset[int] = frozenset(),
 ) -> tuple[torch.Tensor, torch.Tensor, Packing]:
     """input_ids and position_ids (1, T) of the rows' blocks packed, each after its row's `lengths[b]` entries.
 
     The packing (slab.py) says where each token is written and holds the masks attention
     reads per row: the roots' (every row's root sees its row's entries and itself) and each
-    drafting row's (its nodes see the row's entries, the root and their own ancestors).
+    drafting row's (its nodes see the row's entries, the root and their own ancestors). With
+    a sliding `window`, the same masks again for `sliding_layers`, each query seeing only the
+    keys fewer than `window` positions before its own (a row's entry at column c has position c).
     """
     ids = torch.tensor([[token for block in blocks for token in block]], dtype=torch.long, device=device)
     depths, rows, columns, roots, drafts = [], [], [], [], []
@@ -118,11 +122,24 @@ def packed_inputs(
             within = tree.ancestor_matrix() if tree is not None else np.tri(size, dtype=bool)
             allowed = np.ones((size - 1, length + size), dtype=bool)
             allowed[:, length:] = within[1:]
-            drafts.append(Draft(row, start + 1, size - 1, _additive(allowed, dtype, device)[None, None]))
+            mask = _additive(allowed, dtype, device)[None, None]
+            windowed = None
+            if window is not None:
+                keys = np.concatenate([np.arange(length), depths[start:]])  # each key's position
+                near = np.asarray(depths[start + 1 :])[:, None] - keys[None, :] < window
+                windowed = _additive(allowed & near, dtype, device)[None, None]
+            drafts.append(Draft(row, start + 1, size - 1, mask, windowed))
     end = max(length + len(block) for length, block in zip(lengths, blocks, strict=True))
-    seen = torch.arange(end)[None, :] <= torch.tensor(lengths)[:, None]  # the row's entries and its root
+    cached = torch.tensor(lengths)[:, None]
+    seen = torch.arange(end)[None, :] <= cached  # the row's entries and its root
+    root_mask = _additive(seen.numpy(), dtype, device)[:, None, None]
+    window_root_mask = None
+    if window is not None:
+        near = cached - torch.arange(end)[None, :] < window
+        window_root_mask = _additive((seen & near).numpy(), dtype, device)[:, None, None]
     as_tensors = (torch.tensor(values, dtype=torch.long, device=device) for values in (rows, columns, roots))
-    packing = Packing(*as_tensors, _additive(seen.numpy(), dtype, device)[:, None, None], tuple(drafts), end)
+    sliding = sliding_layers if window is not None else frozenset()
+    packing = Packing(*as_tensors, root_mask, tuple(drafts), end, window_root_mask, sliding)
     return ids, torch.tensor([depths], dtype=torch.long, device=device), packing
 
 

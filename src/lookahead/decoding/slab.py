@@ -18,6 +18,12 @@ which leaves the slab's last rows spare; a joining row's prefilled cache is copi
 row (once per request), so in a full batch, where a row leaves before the next joins, a join
 copies that row only — building a new slab copied every row's cache (0.15-0.19 s at 8 rows).
 Spare rows are given up when the slab next grows.
+
+Sliding-window layers (Gemma 3, Mistral) keep every row's full past here, like full layers:
+a transformers sliding layer keeps one length for all rows, so it cannot hold rows of
+different lengths. The window is applied by the masks instead (masks.packed_inputs: a key is
+seen only within the window of the query's position), on the layers whose cache slid. The
+price is memory: a row holds all its entries on those layers, not its last window of them.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch
 from transformers import Cache
 from transformers.cache_utils import CacheLayerMixin
 
-from .kvcache import BatchCache, has_sliding_layers
+from .kvcache import BatchCache
 
 GROWTH_MARGIN = 128
 """Columns of room a slab gets beyond its longest row when built or grown, for the next blocks."""
@@ -45,6 +51,8 @@ class Draft(NamedTuple):
     size: int
     mask: torch.Tensor
     """(1, 1, size, keys) additive: the row's cached entries, its root, and each node's own ancestors."""
+    window_mask: torch.Tensor | None = None
+    """The same within the sliding window of each node's position, for sliding layers; None: no layer slides."""
 
 
 class Packing(NamedTuple):
@@ -61,16 +69,22 @@ class Packing(NamedTuple):
     drafts: tuple[Draft, ...]
     end: int
     """Columns the roots' attention reads: the furthest any row's block reaches."""
+    window_root_mask: torch.Tensor | None = None
+    """`root_mask` within the sliding window of each root's position, for sliding layers; None: no layer slides."""
+    sliding_layers: frozenset[int] = frozenset()
+    """Indices of the layers whose attention reads the window masks."""
 
 
 class SlabLayer(CacheLayerMixin):
     """One layer's keys and values for all rows: (rows, heads, capacity, head dim), written where the packing says."""
 
-    is_sliding = False
+    is_sliding = False  # transformers' notion: its sliding layers keep one length for all rows; see the module doc
     is_compileable = False
 
-    def __init__(self, slab: SlabCache, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def __init__(self, slab: SlabCache, keys: torch.Tensor, values: torch.Tensor, window: int | None = None) -> None:
         super().__init__()
+        self.window = window
+        """The sliding window of this layer's attention (the packing's window masks apply); None: full attention."""
         self._slab = weakref.ref(slab)  # no cycle: a slab left behind by a join is freed at once, not by the collector
         self.hold(keys, values, keys.shape[0])
         self.is_initialized = True
@@ -110,10 +124,21 @@ class SlabLayer(CacheLayerMixin):
 class SlabCache(Cache):
     """Rows of different lengths, each owned by a generation; the same surgery calls as `BatchCache`."""
 
-    def __init__(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], lengths: Sequence[int], owners) -> None:
+    def __init__(
+        self,
+        layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        lengths: Sequence[int],
+        owners,
+        windows: Sequence[int | None] | None = None,
+    ) -> None:
         if len(lengths) != len(owners):
             raise ValueError("one length per owner")
-        super().__init__(layers=[SlabLayer(self, keys, values) for keys, values in layers])
+        windows = list(windows) if windows is not None else [None] * len(layers)
+        if len({window for window in windows if window is not None}) > 1:
+            raise ValueError("a packed batch takes one sliding window for all its sliding layers")
+        super().__init__(
+            layers=[SlabLayer(self, *states, window) for states, window in zip(layers, windows, strict=True)]
+        )
         self.lengths = list(lengths)
         self.owners = list(owners)
         self.packing: Packing | None = None
@@ -127,6 +152,20 @@ class SlabCache(Cache):
     @property
     def past(self) -> int:
         return max(self.lengths)
+
+    @property
+    def windows(self) -> list[int | None]:
+        """Each layer's sliding window, None for full attention."""
+        return [layer.window for layer in self.layers]
+
+    @property
+    def window(self) -> int | None:
+        """The sliding window of the layers that slide; None if none does."""
+        return next((window for window in self.windows if window is not None), None)
+
+    @property
+    def sliding_layers(self) -> frozenset[int]:
+        return frozenset(number for number, window in enumerate(self.windows) if window is not None)
 
     @property
     def capacity(self) -> int:
@@ -174,7 +213,7 @@ class SlabCache(Cache):
         if rows != sorted(rows):
             index = torch.tensor(rows, device=self.layers[0].keys.device)
             layers = [(layer.keys.index_select(0, index), layer.values.index_select(0, index)) for layer in self.layers]
-            return SlabCache(layers, [self.lengths[row] for row in rows], owners)
+            return SlabCache(layers, [self.lengths[row] for row in rows], owners, self.windows)
         for layer in self.layers:
             for states in (layer.keys, layer.values):
                 for target, source in enumerate(rows):
@@ -192,8 +231,9 @@ class SlabCache(Cache):
         Each layer is copied into its new slab and dropped from its part at once, so a join
         holds little more than one slab at its peak, not the old and the new one whole.
         """
-        if any(isinstance(part, BatchCache) and has_sliding_layers(part.cache) for part in parts):
-            raise ValueError("sliding-window layers cannot hold rows of different lengths")
+        windows = _windows(parts[0])
+        if any(_windows(part) != windows for part in parts[1:]):
+            raise ValueError("the caches of one slab must have the same layers")
         first = parts[0]
         if isinstance(first, SlabCache) and first.has_room_for(parts[1:]):
             first.take_in(parts[1:])  # rows only left (`select` moved them in place), or joiners fit spare rows
@@ -216,7 +256,7 @@ class SlabCache(Cache):
                 pair.append(merged)
                 del states
             layers.append((pair[0], pair[1]))
-        return cls(layers, lengths, [owner for part in parts for owner in part.owners])
+        return cls(layers, lengths, [owner for part in parts for owner in part.owners], windows)
 
     def has_room_for(self, parts: Sequence[BatchCache | SlabCache]) -> bool:
         """Whether the rows of `parts` fit this slab's spare rows, within its columns."""
@@ -245,7 +285,17 @@ def _layers(part: BatchCache | SlabCache) -> list:
     layers = part.cache.layers
     if any(getattr(layer, "keys", None) is None for layer in layers):
         raise ValueError("a slab is built from caches whose every layer holds keys and values")
+    if any(layer.keys.shape[-2] < part.past for layer in layers):
+        # a sliding layer that dropped entries past its window (past recording off, or cropped)
+        raise ValueError("a slab is built from caches that hold every row's full past on every layer")
     return layers
+
+
+def _windows(part: BatchCache | SlabCache) -> list[int | None]:
+    """Each layer's sliding window in `part`, None for full attention."""
+    if isinstance(part, SlabCache):
+        return part.windows
+    return [layer.sliding_window if getattr(layer, "is_sliding", False) else None for layer in part.cache.layers]
 
 
 def _stored(part: BatchCache | SlabCache) -> int:

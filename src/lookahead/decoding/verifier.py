@@ -5,7 +5,8 @@ passed to one `verify` call are one batch: their caches are merged into one cach
 time they are stepped together — a slab whose rows' blocks are packed (decoding/slab.py), or
 where the model cannot take that, a padded cache (decoding/kvcache.py: BatchCache) — and a
 generation no longer passed leaves it. A model that cannot verify rows of different lengths
-together (sliding-window layers, or a failed probe) verifies them one after another.
+together (sliding-window layers without SDPA attention, or a failed probe) verifies them one
+after another.
 
 Work on tensors happens inside `torch.inference_mode()` entered here, per call, so nothing
 is left in inference mode between steps: a caller iterating a stream keeps its own autograd.
