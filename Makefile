@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint models bench bench-sampling bench-full bench-gpu bench-batch bench-longdoc bench-sharing replay replay-full trie-bench loadcheck
+.PHONY: setup run test lint models bench bench-sampling bench-full bench-gpu bench-batch bench-batch-full bench-longdoc bench-sharing replay replay-full trie-bench loadcheck
 
 setup: $(STAMP)
 
@@ -71,6 +71,11 @@ replay-full: models
 # Concurrent streams 1-16: batched lookahead vs batched plain vs transformers' batches (benchmarks/batch-smollm2-135m/).
 bench-batch: setup
 	$(BIN)/python -m lookahead.bench.batchbench --out benchmarks/batch-smollm2-135m
+
+# The same on Qwen2.5-Coder-0.5B, two prompts a client (about 35 minutes on 2 cores).
+bench-batch-full: models
+	$(BIN)/python -m lookahead.bench.batchbench --model qwen2.5-coder-0.5b --prompts 8 --prompts-per-stream 2 \
+		--out benchmarks/batch-qwen2.5-coder-0.5b
 
 # Documentation questions of 0.5k-8k tokens, fresh and warm engine, lookahead vs plain: benchmarks/longdoc-<model>/.
 bench-longdoc: setup
