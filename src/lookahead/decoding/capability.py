@@ -197,9 +197,9 @@ def _layout(forward: ModelForward, mode: DraftMode) -> tuple[Layout | None, str 
     """The layout, and the warning a fallback gives."""
     if mode == "off":
         return None, "generations are verified one at a time, not batched (it verifies no drafts, not even paths)"
-    unfit = {"padded": "its sliding-window layers keep one length for all rows"}
-    if not has_sliding_layers(forward.new_cache()):
-        unfit.pop("padded")
+    unfit = {}
+    if has_sliding_layers(forward.new_cache()):
+        unfit["padded"] = "its sliding-window layers keep one length for all rows"
     attention = getattr(forward.config, "_attn_implementation", None)
     if attention != "sdpa":  # PACKED_SDPA stands in for SDPA only (attention.attention_as)
         unfit["packed"] = f"packed batches run on SDPA attention, this model's is {attention}"
