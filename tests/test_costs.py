@@ -5,8 +5,9 @@ import json
 import pytest
 from tiny_models import tiny_model
 
+from lookahead.backends.transformers.costs import ModelMeter
+from lookahead.backends.transformers.forward import ModelForward
 from lookahead.decoding import costs
-from lookahead.decoding.forward import ModelForward
 
 
 def test_rows_are_measured_up_to_the_first_count_that_holds_the_batch():
@@ -36,7 +37,7 @@ def test_curves_are_measured_once_then_read_from_the_cache(monkeypatch, tmp_path
     monkeypatch.setenv(costs.PASSES_VARIABLE, "2")
     model = tiny_model("llama")
     model.config._name_or_path = "tiny-llama-for-costs"  # a model without a name is measured every time
-    forward = ModelForward(model)
+    meter = ModelMeter(ModelForward(model), "packed")
     calls = []
     measure = costs.measure_cost
 
@@ -45,16 +46,16 @@ def test_curves_are_measured_once_then_read_from_the_cache(monkeypatch, tmp_path
         return measure(*args, **kwargs)
 
     monkeypatch.setattr(costs, "measure_cost", counted)
-    model_costs = costs.cost_model(forward, "packed", max_batch=3)
+    model_costs = costs.cost_model(meter, max_batch=3)
     assert model_costs.rows == [1, 2, 4]
     assert {call["repeats"] for call in calls} == {2}
     assert sorted(call["rows"] for call in calls if "rows" in call) == [2, 4]
     keys = json.loads((tmp_path / "costs.json").read_text())
     assert all("tiny-llama-for-costs" in key and "fastest-of=2" in key for key in keys)
-    assert len(keys) == len(calls) == 1 + len(costs.longer_contexts(forward)) + 2
+    assert len(keys) == len(calls) == 1 + len(costs.longer_contexts(meter)) + 2
 
     calls.clear()
-    again = costs.cost_model(forward, "packed", max_batch=4)
+    again = costs.cost_model(meter, max_batch=4)
     assert calls == [] and again.rows == [1, 2, 4], "every curve came from the cache"
-    costs.cost_model(forward, "packed", max_batch=8)
+    costs.cost_model(meter, max_batch=8)
     assert [call["rows"] for call in calls] == [8], "only the row count not measured before"

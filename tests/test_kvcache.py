@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from lookahead.decoding.kvcache import BatchCache
+from lookahead.backends.transformers.kvcache import BatchCache
 
 
 def _cache_with(*rows: list[float]) -> DynamicCache:

@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from lookahead.decoding.masks import causal_inputs, packed_inputs, tree_mask, tree_positions
+from lookahead.backends.transformers.masks import causal_inputs, packed_inputs, tree_mask, tree_positions
 from lookahead.drafting.tree import DraftTree
 
 

@@ -7,7 +7,7 @@ import torch
 from scipy.stats import chisquare
 from tiny_models import tiny_model
 
-import lookahead.decoding.verifier
+import lookahead.backends.transformers.verifier
 from lookahead import LookaheadConfig, LookaheadEngine
 from lookahead.decoding.sampling import SamplingParams, TokenChooser
 from lookahead.decoding.verify import accept
@@ -191,7 +191,7 @@ def test_lookahead_sampling_matches_the_models_distribution(tiny_engine, monkeyp
                                        seed=seeds)  # fmt: skip
     assert goodness_of_fit([tuple(out.token_ids) for out in plain], exact) > 1e-3
 
-    monkeypatch.setattr(lookahead.decoding.verifier, "accept", accept_every_draft)
+    monkeypatch.setattr(lookahead.backends.transformers.verifier, "accept", accept_every_draft)
     wrong, _ = draw(tiny_engine, range(2 * DRAWS, 2 * DRAWS + 2_000))
     assert goodness_of_fit(wrong, exact) < 1e-3, "the test must catch a verifier that accepts every draft"
 

@@ -6,10 +6,10 @@ from conftest import hf_greedy
 from tiny_models import tiny_model
 from transformers import DynamicCache
 
-from lookahead.decoding.forward import ModelForward
-from lookahead.decoding.kvcache import BatchCache
-from lookahead.decoding.masks import packed_inputs
-from lookahead.decoding.slab import GROWTH_MARGIN, SlabCache
+from lookahead.backends.transformers.forward import ModelForward
+from lookahead.backends.transformers.kvcache import BatchCache
+from lookahead.backends.transformers.masks import packed_inputs
+from lookahead.backends.transformers.slab import GROWTH_MARGIN, SlabCache
 from lookahead.drafting.tree import DraftTree
 
 

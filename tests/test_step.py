@@ -26,11 +26,13 @@ def test_generations_stepped_together_equal_each_alone(engine):
     generations = [engine.prepare(ids, n) for ids, n in zip(PROMPTS, lengths, strict=True)]
     for generation in generations:
         generation.drafter = engine.drafting.open(generation.prompt)
+        engine.verifier.join(generation)
     start(generations, engine.verifier)
     while running := [g for g in generations if not g.done]:
         step(running, engine.verifier)  # the list shrinks as generations finish: rows leave at once
     for generation in generations:
         generation.drafter.close()
+        engine.verifier.leave(generation)
     assert [g.output().token_ids for g in generations] == alone
     assert [g.stats.new_tokens for g in generations] == lengths
     assert any(g.stats.steps < g.stats.new_tokens - 1 for g in generations), "drafts must have been accepted"

@@ -40,3 +40,12 @@ def test_ancestor_matrix_marks_each_entry_and_its_ancestors():
     tree = DraftTree(tokens=[10, 11, 12], parents=[0, 0, 1])
     expected = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=bool)
     assert (tree.ancestor_matrix() == expected).all()
+
+
+def test_within_leaves_keeps_the_longest_prefix_with_that_many_leaves():
+    # r -> a -> c -> d, r -> b, a -> e: leaves grow 1 (a), 2 (b), 2 (c extends a), 2 (d), 3 (e)
+    tree = DraftTree(tokens=[10, 11, 12, 13, 14], parents=[0, 0, 1, 3, 1])
+    assert tree.within_leaves(1).tokens == [10]
+    assert tree.within_leaves(2).tokens == [10, 11, 12, 13]
+    assert tree.within_leaves(3) is tree
+    assert DraftTree([5, 6, 7], [0, 1, 2]).within_leaves(1).tokens == [5, 6, 7]

@@ -16,7 +16,7 @@ _HOMES = {
     "GenerationOutput": "lookahead.decoding.generation",
     "GenerationStats": "lookahead.decoding.generation",
     "LookaheadConfig": "lookahead.config",
-    "LookaheadEngine": "lookahead.decoding.engine",
+    "LookaheadEngine": "lookahead.engine",
     "TokenTrie": "lookahead.drafting.trie",
     "load_model": "lookahead.models",
 }
@@ -34,10 +34,10 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from .config import LookaheadConfig
-    from .decoding.engine import LookaheadEngine
     from .decoding.generation import GenerationOutput, GenerationStats
     from .drafting.tree import DraftTree
     from .drafting.trie import TokenTrie
+    from .engine import LookaheadEngine
     from .models import load_model
 
 

@@ -36,9 +36,16 @@ def _positive(text: str) -> int:
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="bundled name, local directory, .gguf file or hub id")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--backend", default="transformers", choices=["transformers", "llama.cpp"],
+        help="llama.cpp: run a GGUF file (or a bundled model) on llama.cpp as it is (needs lookahead[llama])",
+    )  # fmt: skip
+    parser.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+        help="transformers: default float32; llama.cpp: default the file's own type, else a converted copy",
+    )  # fmt: skip
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
+    parser.add_argument("--threads", type=_positive, default=None, help="CPU threads (torch's, or llama.cpp's)")
 
 
 def _lookahead_config(text: str):
@@ -83,7 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(bench)
     bench.set_defaults(threads=2)
     bench.add_argument("--datasets", default="humaneval,gsm8k,mtbench,code-edit")
-    bench.add_argument("--methods", default="plain,hf-greedy,hf-prompt-lookup,lookahead")
+    bench.add_argument(
+        "--methods", default=None,
+        help="default: plain,hf-greedy,hf-prompt-lookup,lookahead (transformers), plain,lookahead (llama.cpp)",
+    )  # fmt: skip
     bench.add_argument(
         "--config", action="append", default=[], metavar="NAME:key=value,...", help="extra lookahead variant"
     )
@@ -147,7 +157,9 @@ def _engine(args: argparse.Namespace, trie=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     config = engine_config(args)
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = load_model(
+        args.model, dtype=args.dtype, device=args.device, backend=args.backend, threads=args.threads
+    )
     return LookaheadEngine(model, tokenizer, config, trie)
 
 

@@ -19,7 +19,7 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel,
 from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-from .decoding.engine import LookaheadEngine
+from .engine import LookaheadEngine
 from .models import eos_ids
 
 _ENGINES: weakref.WeakKeyDictionary[PreTrainedModel, LookaheadEngine] = weakref.WeakKeyDictionary()

@@ -5,6 +5,10 @@ load (about 16 s for the default model), so the first load converts it once to a
 directory under the cache; later loads take about 2 s. A conversion is written to a temporary
 directory and renamed into place, so two processes starting at once cannot see a half-written
 entry, and an entry without its completion record (or with the wrong file sizes) is rebuilt.
+
+With `backend="llama.cpp"` a GGUF file runs on llama.cpp as it is; only its tokenizer (read by
+transformers, about 15 s, then cached) and, when a dtype is asked for, a converted copy of its
+weights are cached the same way.
 """
 
 from __future__ import annotations
@@ -14,9 +18,11 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -28,6 +34,7 @@ from transformers import (
 )
 
 DEFAULT_MODEL = "smollm2-135m"
+BACKENDS = ("transformers", "llama.cpp")
 _COMPLETE = "lookahead-complete.json"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -69,11 +76,25 @@ def cache_dir() -> Path:
 
 
 def load_model(
-    name_or_path: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu"
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Model (in eval mode, on `device`) and tokenizer; no argument loads the bundled default."""
-    torch_dtype = _parse_dtype(dtype)
+    name_or_path: str | os.PathLike | None = None,
+    dtype: str | torch.dtype | None = None,
+    device: str = "cpu",
+    backend: str = "transformers",
+    threads: int | None = None,
+) -> tuple[Any, PreTrainedTokenizerBase]:
+    """Model and tokenizer; no argument loads the bundled default.
+
+    transformers (default): the model in eval mode on `device`, in `dtype` (default float32).
+    `backend="llama.cpp"`: a GGUF file (or a bundled model) on llama.cpp as it is, quantized
+    types included, on `threads` CPU threads (default: all); `dtype` converts its weights first
+    (llama.cpp's own quantizer, once, cached). The tokenizer is transformers' in both.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     name = str(name_or_path) if name_or_path is not None else DEFAULT_MODEL
+    if backend == "llama.cpp":
+        return _load_llamacpp(name, dtype, device, threads)
+    torch_dtype = _parse_dtype(dtype or "float32")
     if name in BUNDLED:
         directory = _converted(name, lambda: _assemble_bundled(name))
     elif Path(name).expanduser().exists():
@@ -91,6 +112,41 @@ def load_model(
         directory = None
     model, tokenizer = _load_pretrained(directory if directory is not None else name, torch_dtype, name)
     return model.to(device).eval(), tokenizer
+
+
+def _load_llamacpp(
+    name: str, dtype: str | torch.dtype | None, device: str, threads: int | None
+) -> tuple[Any, PreTrainedTokenizerBase]:
+    from .backends.llamacpp.model import LlamaCppModel, binding, convert
+
+    binding()  # the extra is installed (else one line), before anything is read
+    if device != "cpu":
+        raise ValueError(f"the llama.cpp backend runs where llama-cpp-python was built for, not on --device {device}")
+    path = Path(name).expanduser()
+    if name in BUNDLED:
+        gguf, key = _assemble_bundled(name), name
+    elif path.suffix == ".gguf" and path.is_file():
+        gguf, key = path.resolve(), _gguf_key(path.resolve())
+    elif path.suffix == ".gguf":
+        raise FileNotFoundError(f"{name}: no such file")
+    else:
+        known = ", ".join(BUNDLED)
+        raise ValueError(f"{name}: the llama.cpp backend runs GGUF files: a .gguf file or a bundled model ({known})")
+    tokenizer_dir = _cached("tokenizers", key, lambda out: _gguf_tokenizer(gguf).save_pretrained(out))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if dtype is not None:
+        kind = str(dtype).removeprefix("torch.")
+        if kind not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}: choose one of {', '.join(_DTYPES)}")
+        gguf = _cached("gguf", f"{key}-{kind}", lambda out: convert(gguf, out / "model.gguf", kind)) / "model.gguf"
+    return LlamaCppModel(gguf, tokenizer, threads=threads), tokenizer
+
+
+def _gguf_tokenizer(gguf: Path) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as err:  # the GGUF reader raises many kinds on a damaged file
+        raise ValueError(f"{gguf}: transformers cannot read a tokenizer from this GGUF file: {err}") from err
 
 
 def eos_ids(generation_config: GenerationConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> frozenset[int]:
@@ -169,20 +225,24 @@ def _is_complete(directory: Path) -> bool:
         return False
 
 
-def _converted(key: str, gguf_file) -> Path:
+def _converted(key: str, gguf_file: Callable[[], Path]) -> Path:
     """The safetensors directory for `key`, converting `gguf_file()` first if needed."""
-    target = cache_dir() / "models" / key
+    return _cached("models", key, lambda out: _convert_gguf(gguf_file(), out))
+
+
+def _cached(kind: str, key: str, write: Callable[[Path], None]) -> Path:
+    """The cache directory `kind/key`, filled by `write(directory)` first if it is not complete."""
+    target = cache_dir() / kind / key
     if _is_complete(target):
         return target
     if target.exists():
         shutil.rmtree(target, ignore_errors=True)
     target.parent.mkdir(parents=True, exist_ok=True)
-    source = gguf_file()
     scratch = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
     try:
-        _convert_gguf(source, scratch)
+        write(scratch)
         files = {p.name: p.stat().st_size for p in scratch.iterdir()}
-        (scratch / _COMPLETE).write_text(json.dumps({"gguf": str(source), "files": files}))
+        (scratch / _COMPLETE).write_text(json.dumps({"files": files}))
         try:
             os.rename(scratch, target)
         except OSError:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from ..decoding.engine import LookaheadEngine
+from ..engine import LookaheadEngine
 from ..models import eos_ids, load_model
 from .datasets import load_prompts
 from .report import add_model_options, environment, markdown_table

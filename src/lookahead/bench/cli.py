@@ -38,11 +38,14 @@ def validate(args: argparse.Namespace) -> tuple[list[str], list[str], dict]:
     if unknown or not datasets:
         raise ValueError(f"unknown data set {','.join(unknown) or '(none)'}: choose from {', '.join(DATASETS)}")
     variants = dict(parse_variant(spec) for spec in args.config)
-    methods = [m for m in args.methods.split(",") if m]
+    default = "plain,hf-greedy,hf-prompt-lookup,lookahead" if args.backend == "transformers" else "plain,lookahead"
+    methods = [m for m in (args.methods or default).split(",") if m]
     unknown = [m for m in methods if m not in BUILTIN_METHODS and m not in variants]
     if unknown:
         raise ValueError(f"unknown method {','.join(unknown)}: choose from {', '.join(BUILTIN_METHODS)}")
     methods = list(dict.fromkeys(["plain", *methods, *variants]))
+    if args.backend != "transformers" and (hf := [m for m in methods if m.startswith("hf-")]):
+        raise ValueError(f"{', '.join(hf)} run on transformers only: leave them out with --backend {args.backend}")
     if getattr(args, "temperature", 0) and (hf := [m for m in methods if m.startswith("hf-")]):
         raise ValueError(f"{', '.join(hf)} run greedy only here: leave them out when sampling")
     if args.limit < 1:
@@ -69,7 +72,9 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
 
     torch.set_num_threads(args.threads)
     console = Console(stderr=True)
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = load_model(
+        args.model, dtype=args.dtype, device=args.device, backend=args.backend, threads=args.threads
+    )
     bench = Bench(model, tokenizer, methods, variants, args.max_new_tokens, _sampling(args))
     bench.warm_up(prompts[0])
     samples = []
@@ -88,6 +93,7 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
         "model": model_name,
         "command": "lookahead " + shlex.join(argv),
         "settings": {"max_new_tokens": args.max_new_tokens, "limit": args.limit, "dtype": args.dtype,
+                     "backend": args.backend,
                      "sampling": _sampling(args) or "greedy",
                      "datasets": datasets, "methods": methods,
                      "configs": {name: cfg.__dict__ for name, cfg in variants.items()},
@@ -160,11 +166,13 @@ def _record(args: argparse.Namespace, prompts, path: Path) -> None:
     import torch
     from rich.progress import Progress
 
-    from ..decoding.engine import LookaheadEngine
+    from ..engine import LookaheadEngine
     from ..models import load_model
 
     torch.set_num_threads(args.threads or 2)
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = load_model(
+        args.model, dtype=args.dtype, device=args.device, backend=args.backend, threads=args.threads or 2
+    )
     engine = LookaheadEngine(model, tokenizer)
     with Progress(console=Console(stderr=True)) as progress:
         task = progress.add_task("recording plain greedy", total=len(prompts))

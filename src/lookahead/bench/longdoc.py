@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from ..decoding.engine import LookaheadEngine
 from ..drafting.trie import TokenTrie
+from ..engine import LookaheadEngine
 from ..models import load_model
 from .datasets import doc_prompts
 from .longdocs import doc_question, documentation

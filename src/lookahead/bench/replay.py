@@ -30,7 +30,7 @@ from ..drafting.tree import DraftTree
 from .datasets import Prompt
 
 if TYPE_CHECKING:
-    from ..decoding.engine import LookaheadEngine
+    from ..engine import LookaheadEngine
 
 
 @dataclass
@@ -97,8 +97,14 @@ class RecordingVerifier:
             verdicts.append(Verdict(*accept_greedy(tree, oracle_choices(tree, self.output, emitted))))
         return verdicts, 0.0  # the time is the cost model's: see Priced
 
-    def may_branch(self, generation: Generation) -> bool:
-        return self.branching
+    def max_leaves(self, generation: Generation) -> int:
+        return 1 << 30 if self.branching else 1  # a recording limits no leaves
+
+    def join(self, generation: Generation) -> None:
+        pass
+
+    def leave(self, generation: Generation) -> None:
+        pass
 
 
 def replay(records: Iterable[dict], header: dict, config: LookaheadConfig) -> dict[str, ReplayStats]:
@@ -186,8 +192,8 @@ def record(engine: LookaheadEngine, prompts: list[Prompt], max_new_tokens: int, 
         "eos_ids": sorted(engine.eos_ids),
         "max_new_tokens": max_new_tokens,
         "draft_mode": engine.draft_mode,
-        "cost_ms": measure_cost(engine.forward, repeats=(passes := measuring_passes())),
-        "cost_by_context": measure_contexts(engine.forward, longest, passes),
+        "cost_ms": measure_cost(meter := engine.backend.meter(), repeats=(passes := measuring_passes())),
+        "cost_by_context": measure_contexts(meter, longest, passes),
     }
     scratch = path.with_name(path.name + ".part")
     with scratch.open("w") as out:

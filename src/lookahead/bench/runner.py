@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import LookaheadConfig
-from ..decoding.engine import LookaheadEngine
+from ..engine import LookaheadEngine
 from .datasets import Prompt
 
 BUILTIN_METHODS = ("plain", "hf-greedy", "hf-prompt-lookup", "lookahead")

@@ -1,11 +1,10 @@
-"""Decoding: the only code that calls the model.
+"""Decoding, the same on every runtime: the step loop and what flows through it.
 
-- engine.py      LookaheadEngine: generate, stream, chat; checks each request
 - generation.py  one sequence's state between steps, its stats and its output
-- step.py        one step over a list of generations (draft → verify → keep), the loop, Verifier
-- verifier.py    the model's Verifier: pack, forward, accept, compact
-- forward.py     the one call into the model; masks.py its tree masks and positions
-- kvcache.py     keep the accepted cache entries; verify.py the acceptance walk
-- sampling.py    greedy and sampled token choice; transcript.py where a request stops
-- capability.py  which drafts this model verifies exactly; costs.py what a forward pass costs
+- step.py        one step over a list of generations (draft → verify → keep); the Verifier seam
+- batch.py       continuous batching: joins, leaves, chunked prefill; the loop of one generation
+- backend.py     the Backend seam: what the engine asks of a runtime (lookahead/backends/)
+- verify.py      the acceptance walk; sampling.py greedy and sampled token choice
+- transcript.py  where a request stops, and its streamed text
+- costs.py       cost curves: which to measure, timing them, the cache on disk
 """

@@ -65,6 +65,7 @@ class Batch:
         while self.waiting and len(self.prefilling) + len(self.running) < self.max_batch:
             generation = self.waiting.popleft()
             generation.drafter = self.drafting.open(generation.prompt) if self.drafting is not None else None
+            self.verifier.join(generation)
             self.prefilling.append(generation)
         events: list[tuple[Generation, list[int]]] = []
         ready = []
@@ -110,12 +111,11 @@ class Batch:
         self.running.clear()
         self.waiting.clear()
 
-    @staticmethod
-    def _leave(generation: Generation) -> None:
+    def _leave(self, generation: Generation) -> None:
         if generation.drafter is not None:
             generation.drafter.close()
             generation.drafter = None
-        generation.cache = None
+        self.verifier.leave(generation)
 
 
 def decode(generation: Generation, verifier: Verifier, drafting: Drafting | None = None) -> Iterator[list[int]]:

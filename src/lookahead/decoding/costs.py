@@ -1,32 +1,27 @@
-"""What a forward pass of each width costs on this model and device: measured once, cached on disk.
+"""What a forward pass of each width costs on a runtime: measured once, cached on disk.
 
-The adaptive policy prices every draft node with this curve (drafting/policy.py: CostModel).
-Measuring takes from seconds to a minute or two on a CPU (the fastest of REPEATS passes over
-every width, at a few contexts, and for batches at a few row counts), so the points are kept
-in the cache directory under a key of the model, dtype, device, thread count and passes; a
-damaged or foreign cache file is measured anew. $LOOKAHEAD_COST_PASSES sets the passes: one
-starts five times sooner and prices by a noisier curve, which the online correction of real
-steps then mends (the test suite runs with one).
+The adaptive policy prices every draft node with these curves (drafting/policy.py: CostModel).
+Each backend times its own passes through a `Meter`; what is generic lives here: which curves
+a batch needs, the interleaved fastest-of-N timing, and the cache. Measuring takes from seconds
+to a minute or two on a CPU, so the points are kept in the cache directory under the meter's
+key (model, runtime, dtype, device, threads) and the passes; a damaged or foreign cache file is
+measured anew. $LOOKAHEAD_COST_PASSES sets the passes: one starts five times sooner and prices
+by a noisier curve, which the online correction of real steps then mends (the test suite runs
+with one).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-
-import torch
+from typing import Protocol
 
 from ..drafting.policy import BASE_CONTEXT, CostModel
 from ..models import cache_dir
-from .capability import Layout
-from .forward import ModelForward
-from .kvcache import BatchCache
-from .slab import SlabCache
 
 COST_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # small widths are irregular on CPUs
 COST_CONTEXTS = (1024, 4096)
@@ -36,6 +31,21 @@ BATCH_ROWS = (2, 4, 8, 16)
 BATCH_WIDTHS = (1, 2, 4, 8, 16, 32)
 REPEATS = 5
 PASSES_VARIABLE = "LOOKAHEAD_COST_PASSES"
+
+
+class Meter(Protocol):
+    """Forward passes of one model on one runtime, timed for its cost curves."""
+
+    key: str
+    """What the curves depend on (model, runtime, dtype, device, threads, ...); '' if unknown: measured every time."""
+    batch_key: str
+    """What batched curves depend on besides `key` (how rows share a pass)."""
+    max_positions: int | None
+
+    def passes(self, rows: int, context: int) -> contextlib.AbstractContextManager[Callable[[int], None]]:
+        """Within it: a function that runs one pass of `rows` rows of `width` tokens after `context` cached tokens
+        each (and waits for its logits), leaving the cache as it found it."""
+        ...
 
 
 def measuring_passes() -> int:
@@ -55,17 +65,13 @@ def measured_rows(max_batch: int) -> tuple[int, ...]:
 
 
 def measure_cost(
-    forward: ModelForward,
+    meter: Meter,
     widths: Sequence[int] = COST_WIDTHS,
     context: int = BASE_CONTEXT,
     repeats: int = REPEATS,
     rows: int = 1,
-    tree_masks: bool = True,
-    packed: bool = False,
 ) -> dict[int, float]:
-    """Milliseconds of the fastest of `repeats` forward passes of `rows` rows of each width, after `context` tokens.
-
-    `packed`: the rows on a slab, their blocks packed (decoding/slab.py), as a packed batch steps.
+    """Milliseconds of the fastest of `repeats` passes of `rows` rows of each width, after `context` tokens.
 
     The widths take turns, one pass each a round, so a burst of other load on a shared
     machine slows one pass of many widths rather than every pass of a few: measured one
@@ -75,74 +81,58 @@ def measure_cost(
     and what the machine's load adds to every step is learned online from plain steps
     (CostModel.scale).
     """
-    vocab = forward.vocab_size
-    prefix = [(100 + 7 * i) % vocab for i in range(context)]
     times: dict[int, list[float]] = {width: [] for width in widths}
-    with torch.inference_mode():
-        cache = forward.new_cache()
-        forward.rows(cache, [prefix] * rows, [None] * rows, [0] * rows, tree_masks, last_only=True)
-        if packed:  # a slab's rows keep their length: a block is written after them and never kept
-            cache = SlabCache.merge([BatchCache(cache, [context] * rows, list(range(rows)))])
+    with meter.passes(rows, context) as run:
         for _ in range(repeats):
             for width in widths:
                 clock = time.perf_counter()
-                blocks = [prefix[:width]] * rows
-                logits = forward.rows(cache, blocks, [None] * rows, [context] * rows, tree_masks)
-                [row.argmax(-1).tolist() for row in logits]  # as a step: waits for the device
+                run(width)
                 times[width].append((time.perf_counter() - clock) * 1000)
-                if not packed:
-                    cache.crop(-width)  # the context stays the same for every measurement
     return {width: round(min(spent), 3) for width, spent in times.items()}
 
 
-def longer_contexts(forward: ModelForward) -> list[int]:
+def longer_contexts(meter: Meter) -> list[int]:
     """The COST_CONTEXTS this model's context holds with the widest measured pass."""
-    most = getattr(forward.config, "max_position_embeddings", None) or 1 << 30
+    most = meter.max_positions or 1 << 30
     return [length for length in COST_CONTEXTS if length + max(COST_WIDTHS) <= most]
 
 
-def measure_contexts(forward: ModelForward, longest: int, repeats: int = REPEATS) -> dict[int, dict[int, float]]:
+def measure_contexts(meter: Meter, longest: int, repeats: int = REPEATS) -> dict[int, dict[int, float]]:
     """The one-row curve after `longer_contexts` cached tokens, up to the first that reaches `longest` (all a run
     of contexts up to `longest` is priced from, and no 4k-token measurement for short prompts)."""
-    lengths = longer_contexts(forward)
+    lengths = longer_contexts(meter)
     reach = next((i for i, length in enumerate(lengths) if length >= longest), len(lengths) - 1)
-    return {length: measure_cost(forward, context=length, repeats=repeats) for length in lengths[: reach + 1]}
+    return {length: measure_cost(meter, context=length, repeats=repeats) for length in lengths[: reach + 1]}
 
 
-def cost_model(
-    forward: ModelForward, batched: Layout | None = None, tree_masks: bool = True, max_batch: int = BATCH_ROWS[-1]
-) -> CostModel:
-    """The cost curves of this model on this device (one row at a few contexts; with a layout, batches of
-    `measured_rows(max_batch)` rows).
-
-    Cached on disk.
-    """
+def cost_model(meter: Meter, max_batch: int = 1) -> CostModel:
+    """The cost curves of this meter's model: one row at a few contexts and, for batches (`max_batch` > 1),
+    `measured_rows(max_batch)` rows. Cached on disk."""
     passes = measuring_passes()
-    name = getattr(forward.config, "_name_or_path", "")
-    key = f"{name}|{forward.model.dtype}|{forward.device}|threads={torch.get_num_threads()}|fastest-of={passes}"
-    if forward.attention is not None:  # another attention function, other costs
-        key += f"|attention={forward.attention}"
-    wanted = {f"{key}|widths={COST_WIDTHS}": functools.partial(measure_cost, forward, repeats=passes)}
-    contexts = longer_contexts(forward)
+    key = f"{meter.key}|fastest-of={passes}"
+    wanted: dict[str, Callable[[], dict[int, float]]] = {
+        f"{key}|widths={COST_WIDTHS}": lambda: measure_cost(meter, repeats=passes)
+    }
+    contexts = longer_contexts(meter)
     for length in contexts:
-        measure = functools.partial(measure_cost, forward, context=length, repeats=passes)
-        wanted[f"{key}|context={length}|widths={COST_WIDTHS}"] = measure
-    batch_rows = measured_rows(max_batch) if batched else ()
+        wanted[f"{key}|context={length}|widths={COST_WIDTHS}"] = lambda length=length: measure_cost(
+            meter, context=length, repeats=passes
+        )
+    batch_rows = measured_rows(max_batch) if max_batch > 1 else ()
     for rows in batch_rows:
-        packed = batched == "packed"
-        measure = functools.partial(measure_cost, forward, BATCH_WIDTHS, repeats=passes, rows=rows,
-                                    tree_masks=tree_masks, packed=packed)  # fmt: skip
-        wanted[f"{key}|rows={rows}|widths={BATCH_WIDTHS}" + ("|packed" if packed else "")] = measure
+        wanted[f"{key}|rows={rows}|widths={BATCH_WIDTHS}{meter.batch_key}"] = lambda rows=rows: measure_cost(
+            meter, BATCH_WIDTHS, repeats=passes, rows=rows
+        )
     path = cache_dir() / "costs.json"
     known = _read(path)
     curves, measured = [], False
     for entry, measure in wanted.items():
-        curve = known.get(entry) if name else None
+        curve = known.get(entry) if meter.key else None
         if not _sound(curve):  # not measured yet here, or a damaged entry
             curve = known[entry] = measure()
             measured = True
         curves.append(curve)
-    if name and measured:
+    if meter.key and measured:
         with contextlib.suppress(OSError):
             path.parent.mkdir(parents=True, exist_ok=True)
             scratch = path.with_name(f".costs-{os.getpid()}.json")
@@ -150,7 +140,7 @@ def cost_model(
             scratch.replace(path)
     single, *others = curves
     longer = dict(zip(contexts, others[: len(contexts)], strict=True))
-    per_rows = dict(zip(batch_rows, others[len(contexts) :], strict=True)) if batched else None
+    per_rows = dict(zip(batch_rows, others[len(contexts) :], strict=True)) if batch_rows else None
     return CostModel(single, per_rows, longer)
 
 

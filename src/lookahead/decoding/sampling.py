@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import LogitsProcessorList
 from transformers.generation.logits_process import (
@@ -115,9 +116,9 @@ class TokenChooser:
         """True when the choice is the raw argmax, which needs no prefix and can be batched."""
         return not self.sample and not self.processors
 
-    def choose(self, logits: torch.Tensor, prefix: list[int]) -> int:
+    def choose(self, logits: torch.Tensor | np.ndarray, prefix: list[int]) -> int:
         """Token for one node whose logits are `logits` (vocab,) after the tokens `prefix`."""
-        scores = logits.float().unsqueeze(0)
+        scores = torch.as_tensor(logits).float().unsqueeze(0)
         if self.processors:
             ids = torch.tensor([prefix], dtype=torch.long, device=logits.device)
             scores = self.processors(ids, scores)

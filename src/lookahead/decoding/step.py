@@ -43,8 +43,16 @@ class Verifier(Protocol):
         """Each generation's verdict on its tree, and the milliseconds the model's work took."""
         ...
 
-    def may_branch(self, generation: Generation) -> bool:
-        """True if a branching tree can be verified at this generation's next step (else one path)."""
+    def max_leaves(self, generation: Generation) -> int:
+        """Most leaves this generation's next draft tree may have (1: a single path)."""
+        ...
+
+    def join(self, generation: Generation) -> None:
+        """`generation` is a row of this verifier's batch from now on (its prompt is read next)."""
+        ...
+
+    def leave(self, generation: Generation) -> None:
+        """`generation` ended: release what the verifier holds for it."""
         ...
 
 
@@ -95,7 +103,8 @@ def _propose(generation: Generation, verifier: Verifier) -> DraftTree:
     if generation.drafter is None:
         return DraftTree()
     clock = time.perf_counter()
-    tree = generation.drafter.propose(generation.tokens, generation.room, verifier.may_branch(generation))
+    leaves = verifier.max_leaves(generation)
+    tree = generation.drafter.propose(generation.tokens, generation.room, leaves > 1).within_leaves(leaves)
     generation.stats.draft_s += time.perf_counter() - clock
     return tree
 
@@ -129,5 +138,11 @@ class Priced:
         self.spent_ms += milliseconds
         return verdicts, milliseconds
 
-    def may_branch(self, generation: Generation) -> bool:
-        return self.verifier.may_branch(generation)
+    def max_leaves(self, generation: Generation) -> int:
+        return self.verifier.max_leaves(generation)
+
+    def join(self, generation: Generation) -> None:
+        self.verifier.join(generation)
+
+    def leave(self, generation: Generation) -> None:
+        self.verifier.leave(generation)

@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..drafting.tree import DraftTree
 
+if TYPE_CHECKING:
+    from .generation import Generation
+    from .sampling import TokenChooser
 
-def accept(tree: DraftTree, choose: Callable[[int, list[int]], int]) -> tuple[list[int], list[int]]:
+Choice = Callable[[int, list[int]], int]
+"""The model's token at a block index, given the draft tokens accepted above it."""
+
+
+def node_choice(generation: Generation, logits: Any, tokens: Sequence[int]) -> Choice:
+    """The generation's choice at a node of a block whose logits are `logits[node]` (torch or numpy), after `tokens`."""
+    chooser = chooser_of(generation)
+    context = list(tokens)
+    return lambda node, path: chooser.choose(logits[node], context + path)
+
+
+def chooser_of(generation: Generation) -> TokenChooser:
+    if generation.chooser is None:
+        raise ValueError("a generation verified on a model needs a token chooser")
+    return generation.chooser
+
+
+def accept(tree: DraftTree, choose: Choice) -> tuple[list[int], list[int]]:
     """Walk down from the root while the model's choice is a child of the current node.
 
     `choose(i, path)` is the model's token at block index i (0 = root), where `path` is the

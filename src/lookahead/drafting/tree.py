@@ -83,6 +83,17 @@ class DraftTree:
         return DraftTree(self.tokens[:size], self.parents[:size], self.ratios[:size], self.sources[:size],
                          self.chances[:size])  # fmt: skip
 
+    def within_leaves(self, most: int) -> DraftTree:
+        """The longest prefix with at most `most` leaves (a verifier may give each leaf a scarce resource)."""
+        has_child = [False] * (len(self.tokens) + 1)
+        leaves = 0
+        for index, parent in enumerate(self.parents):
+            leaves += parent == 0 or has_child[parent]  # a new leaf, unless it extends a leaf
+            has_child[parent] = True
+            if leaves > most:
+                return self.prefix(index)
+        return self
+
     def children(self) -> list[dict[int, int]]:
         """Per block index, the map token -> block index of its child."""
         kids: list[dict[int, int]] = [{} for _ in range(len(self.tokens) + 1)]

@@ -32,7 +32,7 @@ from .scheduler import Job, QueueFull, Scheduler, Stopping
 from .schemas import ChatRequest, CompletionRequest, GenerationRequest, Reply
 
 if TYPE_CHECKING:
-    from ..decoding.engine import LookaheadEngine
+    from ..engine import LookaheadEngine
 
 ROUTES = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
 

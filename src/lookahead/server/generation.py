@@ -18,7 +18,7 @@ from .errors import APIError
 from .schemas import ChatRequest, CompletionRequest, GenerationRequest
 
 if TYPE_CHECKING:
-    from ..decoding.engine import LookaheadEngine
+    from ..engine import LookaheadEngine
 
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 FALLBACK_CONTEXT = 2048  # for a model that does not state its context length

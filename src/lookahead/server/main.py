@@ -29,7 +29,7 @@ from .persistence import load_trie
 from .replicas import check_replica_options, serve_replicas
 
 if TYPE_CHECKING:
-    from ..decoding.engine import LookaheadEngine
+    from ..engine import LookaheadEngine
 
 GRACEFUL_SHUTDOWN_S = 5
 """uvicorn's wait for connections after the drain: by then every answer has ended, so it is short."""

@@ -19,7 +19,7 @@ from ..sharing import TrieSync
 from .scheduler import Job, Scheduler
 
 if TYPE_CHECKING:
-    from ..decoding.engine import LookaheadEngine
+    from ..engine import LookaheadEngine
 
 _LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300)
 

@@ -26,8 +26,8 @@ from .persistence import load_trie
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from ..decoding.engine import LookaheadEngine
     from ..drafting.trie import TokenTrie
+    from ..engine import LookaheadEngine
 
 log = logging.getLogger("lookahead.server")
 

@@ -26,8 +26,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..decoding.engine import LookaheadEngine
     from ..drafting.trie import TokenTrie
+    from ..engine import LookaheadEngine
 
 log = logging.getLogger("lookahead.server")
 

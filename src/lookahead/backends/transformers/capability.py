@@ -18,12 +18,12 @@ from typing import Literal, TypeVar
 import torch
 from transformers import Cache
 
-from ..drafting.tree import DraftTree
+from ...decoding.backend import DraftMode
+from ...drafting.tree import DraftTree
 from .forward import ModelForward
 from .kvcache import BatchCache, has_sliding_layers
 from .slab import SlabCache
 
-DraftMode = Literal["tree", "chain", "off"]
 Layout = Literal["packed", "padded"]
 """How the rows of a batch share a forward pass: packed (decoding/slab.py) or padded to the widest (kvcache.py)."""
 

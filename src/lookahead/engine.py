@@ -1,9 +1,10 @@
 """LookaheadEngine: the public face of decoding — generate, stream, chat — over one model and one trie.
 
 The engine checks each request, builds its Generation and runs the step loop
-(decoding/step.py) through its model verifier; drafts come from the trie drafter
-(drafting/drafter.py). With `use_lookahead=False` the same loop runs without a drafter,
-which is plain greedy decoding (the baseline of every speedup).
+(decoding/step.py) through its backend's verifier (decoding/backend.py: transformers or
+llama.cpp); drafts come from the trie drafter (drafting/drafter.py). With
+`use_lookahead=False` the same loop runs without a drafter, which is plain greedy decoding
+(the baseline of every speedup).
 """
 
 from __future__ import annotations
@@ -11,41 +12,36 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from transformers import LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import LogitsProcessorList, PreTrainedTokenizerBase
 
-from ..config import LookaheadConfig
-from ..drafting.drafter import TrieDrafting
-from ..drafting.policy import DraftPolicy
-from ..drafting.trie import TokenTrie
-from ..models import eos_ids
-from .batch import Batch, decode
-from .capability import DraftMode, check_cached_decoding, probe_batching, probe_draft_mode
-from .costs import cost_model
-from .forward import ModelForward
-from .generation import Generation, GenerationOutput
-from .sampling import SamplingParams, TokenChooser
-from .step import Verifier
-from .transcript import Transcript, stop_strings
-from .verifier import ModelVerifier
+from .config import LookaheadConfig
+from .decoding.backend import Backend, DraftMode
+from .decoding.batch import Batch, decode
+from .decoding.costs import cost_model
+from .decoding.generation import Generation, GenerationOutput
+from .decoding.sampling import SamplingParams, TokenChooser
+from .decoding.step import Verifier
+from .decoding.transcript import Transcript, stop_strings
+from .drafting.drafter import TrieDrafting
+from .drafting.policy import DraftPolicy
+from .drafting.trie import TokenTrie
 
 PREFILL_CHUNK = 256
 """Prompt tokens read per round while other generations run (a 256-token read is a few steps' time on a CPU)."""
 
-# Generation-config settings that change which token greedy `generate()` picks; the engine applies
-# only the options passed to it, so it warns instead of silently differing from `generate()`.
-_GREEDY_CHANGING = ("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "min_length", "bad_words_ids",
-                    "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id",
-                    "sequence_bias")  # fmt: skip
 
+def backend_for(model: Any, tokenizer: PreTrainedTokenizerBase | None, config: LookaheadConfig) -> Backend:
+    """The backend of the model's runtime: llama.cpp for a model that says so (load_model's), else transformers."""
+    if getattr(model, "runtime", None) == "llama.cpp":
+        from .backends.llamacpp.backend import LlamaCppBackend
 
-def _unsupported_settings(model: PreTrainedModel) -> list[str]:
-    config = model.generation_config
-    neutral = {"repetition_penalty": 1.0, "min_length": 0}
-    return [name for name in _GREEDY_CHANGING if getattr(config, name, None) not in (None, neutral.get(name), [], {})]
+        return LlamaCppBackend(model, config)
+    from .backends.transformers.backend import TransformersBackend
+
+    return TransformersBackend(model, tokenizer, config)
 
 
 class TextStream:
@@ -73,46 +69,37 @@ class TextStream:
 
 
 class LookaheadEngine:
-    """Lossless lookahead decoding for an unmodified transformers causal LM.
+    """Lossless lookahead decoding for a model you already have: an unmodified transformers causal LM, or a GGUF
+    model on llama.cpp (load_model(..., backend="llama.cpp")).
 
-    The model is put in eval mode (dropout would make outputs random). One forward pass runs
-    at a time, so several threads may share an engine and its trie.
+    One forward pass runs at a time, so several threads may share an engine and its trie.
     """
 
     def __init__(
         self,
-        model: PreTrainedModel,
+        model: Any,
         tokenizer: PreTrainedTokenizerBase | None,
         config: LookaheadConfig | None = None,
         trie: TokenTrie | None = None,
     ) -> None:
-        self.model = model.eval()
+        self.model = model
         self.tokenizer = tokenizer
         self.config = config = config or LookaheadConfig()
-        self.eos_ids = eos_ids(model.generation_config, tokenizer)
-        if unsupported := _unsupported_settings(model):
-            warnings.warn(
-                f"the model's generation config sets {', '.join(unsupported)}, which model.generate() applies by "
-                "default; the engine applies only the options passed to it (or use lookahead.hf.generate)",
-                stacklevel=2,
-            )
+        self.backend = backend = backend_for(model, tokenizer, config)
+        self.eos_ids = backend.eos_ids
         trie = trie if trie is not None else TokenTrie.from_config(config, self.eos_ids)
         if tokenizer is not None:
             trie.bind_tokenizer(tokenizer)  # a trie saved with another tokenizer is refused here
-        trie.check_vocabulary(model.config.vocab_size)  # and one with ids the model has no embedding for
-        self.forward = ModelForward(model)
-        check_cached_decoding(self.forward)
-        self.draft_mode: DraftMode = probe_draft_mode(self.forward)
+        trie.check_vocabulary(backend.vocab_size)  # and one with ids the model has no embedding for
+        self.draft_mode: DraftMode = backend.draft_mode
         adaptive = config.policy == "adaptive" and self.draft_mode != "off"
-        self.drafting = TrieDrafting.from_config(
-            config, self.eos_ids, cost_model(self.forward) if adaptive else None, trie
-        )
-        self._model_verifier = ModelVerifier(self.forward, self.draft_mode, config.decoding_length)
-        self._batching_probed = False
+        cost = cost_model(backend.meter()) if adaptive else None
+        self.drafting = TrieDrafting.from_config(config, self.eos_ids, cost, trie)
         self._batching_lock = threading.Lock()
-        self.verifier: Verifier = self._model_verifier
-        """What the step verifies drafts with: the model (replaceable, e.g. to price steps by a cost model)."""
-        self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
+        self._batching_priced = False
+        self.verifier: Verifier = backend.verifier
+        """What the step verifies drafts with: the backend's (replaceable, e.g. to price steps by a cost model)."""
+        self.max_positions: int | None = backend.max_positions
 
     @property
     def trie(self) -> TokenTrie:
@@ -129,10 +116,6 @@ class LookaheadEngine:
         """True when multi-branch drafts are verified; else single-path drafts (or none)."""
         return self.draft_mode == "tree"
 
-    @property
-    def device(self):
-        return self.forward.device
-
     # ---- public API ------------------------------------------------------------------------
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -142,7 +125,7 @@ class LookaheadEngine:
         ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise ValueError("the prompt is empty")
-        vocab = self.model.config.vocab_size
+        vocab = self.backend.vocab_size
         if bad := [t for t in ids if not 0 <= t < vocab]:
             raise ValueError(f"token ids outside the vocabulary of {vocab}: {bad[:5]}")
         return ids
@@ -242,19 +225,17 @@ class LookaheadEngine:
         return decode(generation, self.verifier, self._drafting(use_lookahead))
 
     def _enable_batching(self, max_batch: int) -> None:
-        """Once: probe whether rows of different lengths verify together exactly, and price batched steps.
+        """Once: let the backend verify rows together (probing how, where it must), and price batched steps.
 
         Steps of more rows than this first batch's `max_batch` are priced by extrapolation.
         """
         with self._batching_lock:
-            if self._batching_probed:
+            if self._batching_priced:
                 return
-            self._batching_probed = True
-            layout = self._model_verifier.layout = probe_batching(self.forward, self.draft_mode)
-            self.policy.packed = layout == "packed"
-            if layout is not None and self.policy.adaptive:
-                tree_masks = self.draft_mode == "tree"
-                self.policy.cost = cost_model(self.forward, layout, tree_masks, max_batch)
+            self._batching_priced = True
+            self.policy.packed = self.backend.enable_batching()
+            if self.backend.verifier.batched and self.policy.adaptive:
+                self.policy.cost = cost_model(self.backend.meter(batched=True), max_batch)
 
     def prepare(
         self,
@@ -295,7 +276,7 @@ class LookaheadEngine:
         if stops and tokenizer is None:
             raise ValueError("stop strings need a tokenizer: this engine has none")
         extra = [int(t) for t in stop_token_ids or ()]
-        vocab = self.model.config.vocab_size
+        vocab = self.backend.vocab_size
         if bad := [t for t in extra if not 0 <= t < vocab]:
             raise ValueError(f"stop_token_ids outside the vocabulary of {vocab}: {bad[:5]}")
         decode_text = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer else (lambda ids: "")

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..drafting.tree import DraftTree
+from ...drafting.tree import DraftTree
 from .slab import Draft, Packing
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]

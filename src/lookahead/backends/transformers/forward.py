@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from transformers import Cache, PreTrainedModel
 
-from ..drafting.tree import DraftTree
+from ...drafting.tree import DraftTree
 from .attention import PACKED_SDPA, attention_as, grouped_attention
 from .kvcache import new_cache
 from .masks import block_inputs, packed_inputs

@@ -15,30 +15,19 @@ is left in inference mode between steps: a caller iterating a stream keeps its o
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from ..drafting.tree import DraftTree
-from .capability import DraftMode, Layout
+from ...decoding.backend import DraftMode
+from ...decoding.generation import Generation
+from ...decoding.step import Verdict
+from ...decoding.verify import accept, accept_greedy, chooser_of, node_choice
+from ...drafting.tree import DraftTree
+from .capability import Layout
 from .forward import ModelForward
-from .generation import Generation
 from .kvcache import BatchCache
-from .sampling import TokenChooser
 from .slab import SlabCache
-from .step import Verdict
-from .verify import accept, accept_greedy
-
-
-def _node_choice(chooser: TokenChooser, logits: torch.Tensor, tokens: list[int]) -> Callable[[int, list[int]], int]:
-    """The model's choice at a node of this step's block, given the draft path accepted above it."""
-    return lambda node, path: chooser.choose(logits[node], tokens + path)
-
-
-def _chooser(generation: Generation) -> TokenChooser:
-    if generation.chooser is None:
-        raise ValueError("a generation verified on the model needs a token chooser")
-    return generation.chooser
 
 
 def _batch(generations: Sequence[Generation], layout: Layout) -> BatchCache | SlabCache:
@@ -73,11 +62,18 @@ class ModelVerifier:
     def batched(self) -> bool:
         return self.layout is not None
 
-    def may_branch(self, generation: Generation) -> bool:
+    def max_leaves(self, generation: Generation) -> int:
         """Trees need the custom mask, which does not model sliding windows: stay inside them."""
         if self.mode != "tree":
-            return False
-        return self._window is None or len(generation.tokens) + self.max_draft < self._window
+            return 1
+        inside = self._window is None or len(generation.tokens) + self.max_draft < self._window
+        return self.max_draft if inside else 1
+
+    def join(self, generation: Generation) -> None:
+        """Nothing to take: the generation's cache is made at its prefill and merged at its first batched step."""
+
+    def leave(self, generation: Generation) -> None:
+        generation.cache = None
 
     def prefill(self, generations: Sequence[Generation], counts: Sequence[int]) -> list[int | None]:
         firsts: list[int | None] = []
@@ -89,10 +85,10 @@ class ModelVerifier:
                 clock = time.perf_counter()
                 cache = generation.cache.cache if generation.cache is not None else self.forward.new_cache()
                 read, prompt = generation.prefilled, generation.prompt
-                logits = self.forward(cache, prompt[read : read + count], read, last_only=True)[-1]
+                logits = self.forward(cache, prompt[read : read + count], read, last_only=True)[-1:]
                 generation.prefilled = read = min(read + count, len(prompt))
                 generation.cache = BatchCache(cache, [read], [generation])
-                firsts.append(_chooser(generation).choose(logits, prompt) if read == len(prompt) else None)
+                firsts.append(node_choice(generation, logits, prompt)(0, []) if read == len(prompt) else None)
                 generation.stats.prefill_s += time.perf_counter() - clock
         return firsts
 
@@ -119,14 +115,14 @@ class ModelVerifier:
         tick = time.perf_counter()
         logits = self.forward.rows(batch.cache, blocks, trees, batch.lengths, tree_masks=self.mode == "tree")
         tock = time.perf_counter()
-        choosers = [_chooser(generation) for generation in rows]
+        choosers = [chooser_of(generation) for generation in rows]
         argmax = [row.argmax(-1).tolist() for row in logits] if any(c.plain_argmax for c in choosers) else None
         kept = []
         for row, (generation, tree, chooser) in enumerate(zip(rows, trees, choosers, strict=True)):
             if chooser.plain_argmax:
                 accepted, emitted = accept_greedy(tree, argmax[row])
             else:
-                accepted, emitted = accept(tree, _node_choice(chooser, logits[row], generation.tokens))
+                accepted, emitted = accept(tree, node_choice(generation, logits[row], generation.tokens))
             verdicts[id(generation)] = Verdict(accepted, emitted)
             kept.append([0, *accepted])
         tack = time.perf_counter()

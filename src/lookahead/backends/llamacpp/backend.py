@@ -1,0 +1,81 @@
+"""A GGUF model on llama.cpp as the engine's runtime: its verifier, its limits, its passes timed for the cost curves."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+
+from ...config import LookaheadConfig
+from ...decoding.backend import DraftMode
+from .model import BATCH_TOKENS, LlamaCppModel
+from .verifier import Entry, LlamaCppDecoder, LlamaCppVerifier
+
+
+class LlamaCppBackend:
+    """Trees verify on every llama.cpp model with a KV cache (recurrent models draft nothing); rows always share a
+    call, each paying only for its own tokens."""
+
+    name = "llama.cpp"
+
+    def __init__(self, model: LlamaCppModel, config: LookaheadConfig) -> None:
+        self.model = model
+        self.vocab_size = model.vocab_size
+        self.max_positions: int | None = min(model.trained_context, model.cells)
+        self.eos_ids = model.vocabulary.end_ids
+        self.draft_mode: DraftMode = "off" if model.recurrent else "tree"
+        if model.recurrent:
+            warnings.warn(
+                f"{model.name}: drafting is off, a recurrent model's state cannot be shared by draft branches; "
+                "decoding is plain",
+                stacklevel=3,
+            )
+        if not model.exact and self.draft_mode != "off":
+            warnings.warn(
+                "this llama-cpp-python build uses llamafile's matrix kernels, whose multi-token passes round "
+                "differently from the one-token step: lookahead may differ from plain decoding at near-ties. "
+                "For exact verification build it with CMAKE_ARGS=-DGGML_LLAMAFILE=OFF (see README)",
+                stacklevel=3,
+            )
+        self.verifier = LlamaCppVerifier(model, config.decoding_length)
+
+    def enable_batching(self) -> bool:
+        return True
+
+    def meter(self, batched: bool = False) -> LlamaCppMeter:
+        return LlamaCppMeter(self.model)
+
+
+class LlamaCppMeter:
+    """Passes of `rows` sequences of `width` tokens each in one `llama_decode`, as a step of that many rows."""
+
+    batch_key = ""
+
+    def __init__(self, model: LlamaCppModel) -> None:
+        self.model = model
+        stat = model.path.stat()
+        self.key = f"llama.cpp|{model.path}|{stat.st_size}|{stat.st_mtime_ns}|threads={model.threads}"
+        self.max_positions = min(model.trained_context, model.cells)
+
+    @contextlib.contextmanager
+    def passes(self, rows: int, context: int) -> Iterator[Callable[[int], None]]:
+        model = self.model
+        decoder = LlamaCppDecoder(model)
+        prefix = [(100 + 7 * i) % model.vocab_size for i in range(context)]
+        with model.lock:
+            sequences = [model.take_sequence() for _ in range(rows)]
+            try:
+                entries = [Entry(token, i, (s,), False) for s in sequences for i, token in enumerate(prefix)]
+                for start in range(0, len(entries), BATCH_TOKENS):
+                    decoder(entries[start : start + BATCH_TOKENS])
+
+                def run(width: int) -> None:
+                    block = [Entry(prefix[i], context + i, (s,), True) for s in sequences for i in range(width)]
+                    decoder(block).argmax(-1)  # as a step: every row's choices
+                    for sequence in sequences:
+                        decoder.remove(sequence, context)
+
+                yield run
+            finally:
+                for sequence in sequences:
+                    model.give_back(sequence)

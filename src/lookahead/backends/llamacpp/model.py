@@ -1,0 +1,198 @@
+"""A GGUF model loaded by llama.cpp, as it is (quantized types included), with one context all requests share.
+
+The context's KV cache is unified (every sequence's cells in one buffer), which is what lets a
+draft tree go into one `llama_decode` with a sequence id per leaf (verifier.py), and lets
+requests share a call. Flash attention is off, as in llama-cpp-python's own `Llama` by
+default, so plain decoding here runs the same kernels as that reference.
+
+The tokenizer stays the transformers one (chat templates, incremental detokenization): at
+load its vocabulary must match the GGUF's id for id, or the model is refused.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+SUPPORTED = ((0, 3, 36), (0, 3, 37))
+"""llama-cpp-python versions [low, high) whose C API this module was written against (llama.cpp renames often)."""
+INSTALL = "pip install 'lookahead[llama]'"
+BATCH_TOKENS = 1024
+"""Most tokens one `llama_decode` call takes (a prompt is read in calls of at most this many)."""
+
+
+def binding() -> Any:
+    """The `llama_cpp` module, checked against the supported versions; ValueError (one line) if absent or other."""
+    try:
+        version = metadata.version("llama-cpp-python")
+    except metadata.PackageNotFoundError:
+        raise ValueError(f"the llama.cpp backend needs llama-cpp-python, which is not installed: {INSTALL}") from None
+    parts = tuple(int(part) for part in version.split(".")[:3] if part.isdigit())
+    low, high = SUPPORTED
+    if not low <= parts < high:
+        supported = f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))}"
+        raise ValueError(f"llama-cpp-python {version} is not supported (this lookahead needs {supported}): {INSTALL}")
+    logger = logging.getLogger("llama-cpp-python")  # llama.cpp logs every load to stderr unless told not to
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.ERROR)
+    import llama_cpp
+
+    return llama_cpp
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """What the engine needs of the GGUF's vocabulary."""
+
+    size: int
+    end_ids: frozenset[int]
+    """Tokens llama.cpp ends a generation at (its end-of-generation set)."""
+
+
+class LlamaCppModel:
+    """A GGUF file on llama.cpp with one context: the weights, a unified KV cache, `threads` CPU threads.
+
+    The context's sequence ids are handed out here, so every engine on this model shares them
+    without overlap.
+
+    `context`: KV cells shared by all requests at once (default: the model's trained context, at
+    most 32,768); `sequences`: llama.cpp sequence ids (each running request takes one, and each
+    leaf of its draft tree one more while it is verified).
+    """
+
+    runtime = "llama.cpp"
+    """Which backend the engine runs this model on (lookahead/engine.py: backend_for)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        tokenizer: Any,
+        threads: int | None = None,
+        context: int | None = None,
+        sequences: int | None = None,
+    ) -> None:
+        lib = self.lib = binding()
+        self.path = Path(path)
+        self.tokenizer = tokenizer
+        self.threads = threads or os.cpu_count() or 1
+        lib.llama_backend_init()
+        params = lib.llama_model_default_params()
+        model = lib.llama_model_load_from_file(str(self.path).encode(), params)
+        if not model:
+            raise ValueError(f"{self.path}: llama.cpp cannot load this GGUF file")
+        self._model = model
+        self._finalizer = weakref.finalize(self, _free, lib, model, [])
+        self.recurrent = bool(lib.llama_model_is_recurrent(model) or lib.llama_model_is_hybrid(model))
+        """Recurrent state is not cells that sequence ids can share: such a model verifies no drafts."""
+        self.vocab = lib.llama_model_get_vocab(model)
+        self.vocabulary = self._read_vocabulary()
+        if tokenizer is not None:
+            check_vocabulary(self._token_texts(), tokenizer, self.path.name)
+        self.trained_context = int(lib.llama_model_n_ctx_train(model))
+        self.sequences = min(sequences or lib.llama_max_parallel_sequences(), lib.llama_max_parallel_sequences())
+        cells = context or min(self.trained_context, 32768)
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = cells
+        cparams.n_batch = cparams.n_ubatch = BATCH_TOKENS
+        cparams.n_seq_max = self.sequences
+        cparams.kv_unified = True
+        cparams.n_threads = cparams.n_threads_batch = self.threads
+        cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cparams.no_perf = True
+        ctx = lib.llama_init_from_model(model, cparams)
+        if not ctx:
+            raise ValueError(f"{self.path}: llama.cpp cannot make a context of {cells} cells for this model")
+        self.ctx = ctx
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _free, lib, model, [ctx])
+        self.cells = int(lib.llama_n_ctx(ctx))
+        self.memory = lib.llama_get_memory(ctx)
+        self.lock = threading.Lock()
+        """Held by whoever is using the context (one decode at a time)."""
+        self.name = self.path.name
+        self.file_type = _file_type(lib, model)
+        self.exact = b"LLAMAFILE = 1" not in lib.llama_print_system_info()
+        """True if multi-token passes sum as the one-token step does (a build without llamafile's kernels)."""
+        self._free = list(range(self.sequences - 1, -1, -1))
+        self.rows = 0
+        """Sequence ids held by running generations (each verifier's rows), not by a step's leaves."""
+
+    def take_sequence(self, row: bool = False) -> int:
+        """A sequence id no one holds, with no cells (the lowest free); `row`: for a generation, not a leaf."""
+        if not self._free:
+            raise RuntimeError(f"llama.cpp allows {self.sequences} sequences: all are in use")
+        self.rows += row
+        return self._free.pop()
+
+    def give_back(self, sequence: int, row: bool = False) -> None:
+        """Drop `sequence`'s cells and make it free again."""
+        self.lib.llama_memory_seq_rm(self.memory, sequence, -1, -1)
+        self.rows -= row
+        self._free.append(sequence)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.vocabulary.size
+
+    def _read_vocabulary(self) -> Vocabulary:
+        lib, vocab = self.lib, self.vocab
+        size = int(lib.llama_vocab_n_tokens(vocab))
+        ends = frozenset(token for token in range(size) if lib.llama_vocab_is_eog(vocab, token))
+        return Vocabulary(size, ends)
+
+    def _token_texts(self) -> list[str]:
+        lib, vocab = self.lib, self.vocab
+        return [lib.llama_vocab_get_text(vocab, token).decode("utf-8", "replace") for token in range(self.vocab_size)]
+
+    def close(self) -> None:
+        """Free the context and the weights now (else when the model is collected)."""
+        self._finalizer()
+
+
+FILE_TYPES = {"float32": "ALL_F32", "float16": "MOSTLY_F16", "bfloat16": "MOSTLY_BF16"}
+"""A dtype's llama.cpp file type (LLAMA_FTYPE_...)."""
+
+
+def convert(source: Path, target: Path, dtype: str) -> None:
+    """Write `source`'s weights as `dtype` to `target`, with llama.cpp's own quantizer (dequantizing as it goes)."""
+    lib = binding()
+    params = lib.llama_model_quantize_default_params()
+    params.ftype = getattr(lib, f"LLAMA_FTYPE_{FILE_TYPES[dtype]}")
+    params.allow_requantize = True  # a quantized source is dequantized to float first
+    params.nthread = os.cpu_count() or 1
+    if lib.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params)) != 0:
+        raise ValueError(f"{source}: llama.cpp could not convert this GGUF file to {dtype}")
+
+
+def check_vocabulary(texts: list[str], tokenizer: Any, name: str) -> None:
+    """ValueError, in one line, unless the tokenizer's tokens are the GGUF's `texts` id for id."""
+    known = len(tokenizer)
+    if known > len(texts):
+        raise ValueError(f"{name}: the tokenizer has {known} tokens, the GGUF vocabulary {len(texts)}: another model's")
+    mine = tokenizer.convert_ids_to_tokens(list(range(known)))
+    for token, (theirs, ours) in enumerate(zip(texts, mine, strict=False)):
+        if theirs != ours:
+            raise ValueError(
+                f"{name}: token {token} is {theirs!r} in the GGUF vocabulary but {ours!r} in the tokenizer: "
+                "the tokenizer is not this model's"
+            )
+
+
+def _file_type(lib: Any, model: Any) -> str:
+    """The GGUF's own description of its weights' type (e.g. 'Q4_1', 'F32')."""
+    text = ctypes.create_string_buffer(256)
+    lib.llama_model_desc(model, text, len(text))
+    return text.value.decode("utf-8", "replace").split()[-1]
+
+
+def _free(lib: Any, model: Any, contexts: list[Any]) -> None:
+    for ctx in contexts:
+        lib.llama_free(ctx)
+    lib.llama_model_free(model)

@@ -1,0 +1,278 @@
+"""Verification on llama.cpp: every row's draft tree in one `llama_decode`, a sequence id per leaf.
+
+llama.cpp lets a query attend to the KV cells of its first sequence id at positions up to its
+own. So each running generation owns a base sequence (its context); for a step, each leaf of
+its tree borrows a sequence id, the base's cells are shared with every leaf (`seq_cp` on a
+unified cache copies no data), the root carries the base and every leaf, and each draft node
+carries the leaves below it: a node sees exactly its context and its ancestors, the tree mask.
+After the walk, the accepted path's cells are added to the base sequence and every leaf
+sequence is dropped, so between steps a generation's base holds its tokens but the last (the
+next root) and those `pending`, and no leaf holds anything.
+
+Exactness: llama.cpp's attention sums over KV cells in cell order, so a token's logits depend
+on where its context's cells lie, not only on what they hold. A call's tokens take consecutive
+cells in call order; the tree goes depth first, likeliest child first, so an accepted path
+along first children lies exactly where plain decoding would have put it. Tokens accepted on
+another branch are not kept where they were computed: they are laid again, in place, at the
+front of the generation's next call (`pending`). With llama.cpp built without llamafile's
+matrix kernels (whose multi-token sums round differently), a row's outputs then equal plain
+decoding's bit for bit.
+
+Rows joined to this verifier share each call; a generation's sequence is taken at `join` and
+released at `leave`. Sequence ids are few (llama.cpp allows 256): with `rows` rows joined, a
+row's tree may have at most (256 - rows) // rows leaves (`max_leaves`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from ...decoding.generation import Generation
+from ...decoding.step import Verdict
+from ...decoding.verify import accept, node_choice
+from ...drafting.tree import DraftTree
+from .model import BATCH_TOKENS, LlamaCppModel
+
+
+class Entry(NamedTuple):
+    """One token of a decode call."""
+
+    token: int
+    position: int
+    sequences: Sequence[int]
+    logits: bool
+
+
+class KVCacheFull(RuntimeError):
+    """llama.cpp found no room in its KV cache for a call."""
+
+
+class LlamaCppDecoder:
+    """`llama_decode` over lists of entries, on one model's context; the logits of the entries that ask for them."""
+
+    def __init__(self, model: LlamaCppModel) -> None:
+        self.model = model
+        self.lib = model.lib
+        self._batch = self.lib.llama_batch_init(BATCH_TOKENS, 0, model.sequences)
+        self._vocab = model.vocab_size
+
+    def __del__(self) -> None:
+        batch = getattr(self, "_batch", None)
+        if batch is not None:
+            self.lib.llama_batch_free(batch)
+
+    def __call__(self, entries: Sequence[Entry]) -> np.ndarray:
+        """Logits (one row per entry asking for them, in order) of one call; valid until the next call."""
+        if len(entries) > BATCH_TOKENS:
+            raise ValueError(f"a decode call takes at most {BATCH_TOKENS} tokens, got {len(entries)}")
+        batch, lib = self._batch, self.lib
+        outputs = 0
+        for i, (token, position, sequences, logits) in enumerate(entries):
+            batch.token[i] = token
+            batch.pos[i] = position
+            batch.n_seq_id[i] = len(sequences)
+            ids = batch.seq_id[i]
+            for j, sequence in enumerate(sequences):
+                ids[j] = sequence
+            batch.logits[i] = logits
+            outputs += logits
+        batch.n_tokens = len(entries)
+        status = lib.llama_decode(self.model.ctx, batch)
+        if status == 1:
+            raise KVCacheFull(
+                f"llama.cpp's KV cache ({self.model.cells} cells) is full: load the model with a larger context"
+            )
+        if status != 0:
+            raise RuntimeError(f"llama_decode failed with status {status}")
+        if not outputs:
+            return np.zeros((0, self._vocab), dtype=np.float32)
+        return np.ctypeslib.as_array(lib.llama_get_logits(self.model.ctx), shape=(outputs, self._vocab))
+
+    # ---- the memory: sequences of cells ----------------------------------------------------
+
+    def copy(self, source: int, target: int, start: int = -1, end: int = -1) -> None:
+        """Add `target` to the cells of `source` at positions [start, end) (-1: open)."""
+        self.lib.llama_memory_seq_cp(self.model.memory, source, target, start, end)
+
+    def remove(self, sequence: int, start: int = -1, end: int = -1) -> None:
+        """Take `sequence` off its cells at positions [start, end) (-1: open); a cell of no sequence is freed."""
+        self.lib.llama_memory_seq_rm(self.model.memory, sequence, start, end)
+
+    def last_position(self, sequence: int) -> int:
+        """The highest position `sequence` holds a cell at; -1 if none."""
+        return int(self.lib.llama_memory_seq_pos_max(self.model.memory, sequence))
+
+
+def _tree_layout(tree: DraftTree) -> tuple[list[int], list[int], list[list[int]]]:
+    """The block indices in the order a call carries them, the leaves, and per block index the leaves below it.
+
+    The order is depth first, earlier (likelier) children first, so the likeliest path takes
+    consecutive KV cells right after the context, as plain decoding would place its tokens:
+    llama.cpp's attention sums over cells in cell order, so a path accepted there keeps the
+    exact layout (and rounding) of plain decoding.
+    """
+    children: list[list[int]] = [[] for _ in range(len(tree) + 1)]
+    for index, parent in enumerate(tree.parents, start=1):
+        children[parent].append(index)
+    order, stack = [], [0]
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        stack.extend(reversed(children[node]))
+    leaves = [index for index in order if index and not children[index]]
+    below: list[list[int]] = [[] for _ in range(len(tree) + 1)]
+    for number, leaf in enumerate(leaves):
+        node = leaf
+        while True:
+            below[node].append(number)
+            if node == 0:
+                break
+            node = tree.parents[node - 1]
+    return order, leaves, below
+
+
+class LlamaCppVerifier:
+    """Prefill and verification of generations on one llama.cpp context."""
+
+    batched = True
+
+    def __init__(self, model: LlamaCppModel, max_draft: int, branching: bool = True) -> None:
+        self.model = model
+        self.decoder = LlamaCppDecoder(model)
+        self.max_draft = max_draft
+        self.branching = branching
+        self._sequence: dict[Generation, int] = {}
+        """Each joined generation's base sequence id (taken from the model, which every engine on it shares)."""
+        self._pending: dict[Generation, int] = {}
+        """Each generation's last accepted tokens whose cells were not where plain decoding puts them (a branch
+        other than the first was accepted): left out of its sequence and laid again at the front of its next call."""
+
+    # ---- rows --------------------------------------------------------------------------------
+
+    def join(self, generation: Generation) -> None:
+        if generation in self._sequence:
+            raise ValueError("this generation has already joined")
+        with self.model.lock:
+            self._sequence[generation] = self.model.take_sequence(row=True)
+
+    def leave(self, generation: Generation) -> None:
+        self._pending.pop(generation, None)
+        sequence = self._sequence.pop(generation, None)
+        if sequence is not None:
+            with self.model.lock:
+                self.model.give_back(sequence, row=True)
+
+    def max_leaves(self, generation: Generation) -> int:
+        """The model's sequence ids shared out among the running rows (each keeps one for itself)."""
+        if not self.branching:
+            return 1
+        rows = max(self.model.rows, 1)
+        return max(1, min(self.max_draft, (self.model.sequences - rows) // rows))
+
+    def pending(self, generation: Generation) -> int:
+        """The generation's accepted tokens not yet in its sequence (laid again at its next call)."""
+        return self._pending.get(generation, 0)
+
+    def sequence(self, generation: Generation) -> int:
+        """The generation's base sequence id (KeyError if it has not joined)."""
+        return self._sequence[generation]
+
+    # ---- the model's work ------------------------------------------------------------------------
+
+    def prefill(self, generations: Sequence[Generation], counts: Sequence[int]) -> list[int | None]:
+        """Every row's next prompt tokens in as few calls as fit; each completed prompt's first token."""
+        entries: list[Entry] = []
+        finishing: list[Generation] = []
+        for generation, count in zip(generations, counts, strict=True):
+            read, prompt = generation.prefilled, generation.prompt
+            end = min(read + count, len(prompt))
+            sequence = self._sequence[generation]
+            for position in range(read, end):
+                last = position == len(prompt) - 1
+                entries.append(Entry(prompt[position], position, (sequence,), last))
+                if last:
+                    finishing.append(generation)
+            generation.prefilled = end
+        clock = time.perf_counter()
+        rows: list[np.ndarray] = []
+        with self.model.lock:
+            for start in range(0, len(entries), BATCH_TOKENS):
+                logits = self.decoder(entries[start : start + BATCH_TOKENS])
+                rows.extend(np.array(logits[i : i + 1]) for i in range(len(logits)))  # the next call overwrites them
+        firsts = {
+            generation: node_choice(generation, row, generation.prompt)(0, [])
+            for generation, row in zip(finishing, rows, strict=True)
+        }
+        spent = (time.perf_counter() - clock) / max(len(generations), 1)
+        for generation in generations:
+            generation.stats.prefill_s += spent
+        return [firsts.get(generation) for generation in generations]
+
+    def verify(self, generations: Sequence[Generation], trees: Sequence[DraftTree]) -> tuple[list[Verdict], float]:
+        decoder = self.decoder
+        entries: list[Entry] = []
+        plans: list[tuple[Generation, DraftTree, int, list[int], list[int], list[int]]] = []
+        with self.model.lock:
+            for generation, tree in zip(generations, trees, strict=True):
+                base = self._sequence[generation]
+                past = len(generation.tokens) - 1
+                pending = self._pending.get(generation, 0)
+                if decoder.last_position(base) != past - 1 - pending:
+                    raise RuntimeError("a generation's llama.cpp sequence does not match its tokens")
+                order, leaves, below = _tree_layout(tree)
+                borrowed = [self.model.take_sequence() for _ in leaves]
+                for leaf in borrowed:
+                    decoder.copy(base, leaf)
+                for position in range(past - pending, past):  # accepted last step, but not in place: laid again
+                    entries.append(Entry(generation.tokens[position], position, (base, *borrowed), False))
+                depths = [0, *tree.depths]
+                tokens = [generation.tokens[-1], *tree.tokens]
+                plans.append((generation, tree, base, leaves, borrowed, [len(entries) + i for i in np.argsort(order)]))
+                for index in order:
+                    sequences = [borrowed[n] for n in below[index]] if index else [base, *borrowed]
+                    entries.append(Entry(tokens[index], past + depths[index], sequences, True))
+            tick = time.perf_counter()
+            try:
+                logits = decoder(entries)
+            except Exception:
+                for *_, borrowed, _ in plans:
+                    self._release(borrowed)
+                raise
+            tock = time.perf_counter()
+            verdicts = []
+            outputs = np.cumsum([entry.logits for entry in entries]) - 1  # an entry's row among the logits
+            for generation, tree, base, leaves, borrowed, places in plans:
+                block = [logits[outputs[place]] for place in places]  # by block index
+                accepted, emitted = accept(tree, node_choice(generation, block, generation.tokens))
+                verdicts.append(Verdict(accepted, emitted))
+                in_place = next((i for i, n in enumerate(accepted) if places[n] != places[0] + 1 + i), len(accepted))
+                if in_place:
+                    past = len(generation.tokens) - 1
+                    leaf = borrowed[leaves.index(_leaf_under(tree, accepted[in_place - 1]))]
+                    decoder.copy(leaf, base, past + 1, past + 1 + in_place)
+                self._pending[generation] = len(accepted) - in_place
+                self._release(borrowed)
+            done = time.perf_counter()
+        for generation in generations:
+            stats = generation.stats
+            stats.forward_s += tock - tick
+            stats.verify_s += done - tock
+        return verdicts, (tock - tick) * 1000
+
+    def _release(self, borrowed: list[int]) -> None:
+        for leaf in reversed(borrowed):
+            self.model.give_back(leaf)
+
+
+def _leaf_under(tree: DraftTree, node: int) -> int:
+    """A leaf (block index) at or below block index `node`."""
+    children: dict[int, int] = {}
+    for index, parent in enumerate(tree.parents, start=1):
+        children.setdefault(parent, index)
+    while node in children:
+        node = children[node]
+    return node

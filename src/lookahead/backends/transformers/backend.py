@@ -1,0 +1,69 @@
+"""An unmodified transformers causal LM as the engine's runtime: probed once, verified through ModelVerifier."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ...config import LookaheadConfig
+from ...decoding.backend import DraftMode
+from ...models import eos_ids
+from .capability import check_cached_decoding, probe_batching, probe_draft_mode
+from .costs import ModelMeter
+from .forward import ModelForward
+from .verifier import ModelVerifier
+
+# Generation-config settings that change which token greedy `generate()` picks; the engine applies
+# only the options passed to it, so it warns instead of silently differing from `generate()`.
+_GREEDY_CHANGING = ("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens", "min_length", "bad_words_ids",
+                    "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id",
+                    "sequence_bias")  # fmt: skip
+
+
+def _unsupported_settings(model: PreTrainedModel) -> list[str]:
+    config = model.generation_config
+    neutral = {"repetition_penalty": 1.0, "min_length": 0}
+    return [name for name in _GREEDY_CHANGING if getattr(config, name, None) not in (None, neutral.get(name), [], {})]
+
+
+class TransformersBackend:
+    """The model in eval mode (dropout would make outputs random), its verifier, its probes and its costs."""
+
+    name = "transformers"
+
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, config: LookaheadConfig
+    ) -> None:
+        model.eval()
+        if unsupported := _unsupported_settings(model):
+            warnings.warn(
+                f"the model's generation config sets {', '.join(unsupported)}, which model.generate() applies by "
+                "default; the engine applies only the options passed to it (or use lookahead.hf.generate)",
+                stacklevel=3,
+            )
+        self.vocab_size: int = model.config.vocab_size
+        self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
+        self.eos_ids = eos_ids(model.generation_config, tokenizer)
+        self.forward = ModelForward(model)
+        check_cached_decoding(self.forward)
+        self.draft_mode: DraftMode = probe_draft_mode(self.forward)
+        self.verifier = ModelVerifier(self.forward, self.draft_mode, config.decoding_length)
+        self._batching_lock = threading.Lock()
+        self._batching_probed = False
+
+    @property
+    def device(self):
+        return self.forward.device
+
+    def enable_batching(self) -> bool:
+        """Once: probe whether rows of different lengths verify together exactly, and in which layout."""
+        with self._batching_lock:
+            if not self._batching_probed:
+                self._batching_probed = True
+                self.verifier.layout = probe_batching(self.forward, self.draft_mode)
+        return self.verifier.layout == "packed"
+
+    def meter(self, batched: bool = False) -> ModelMeter:
+        return ModelMeter(self.forward, self.verifier.layout if batched else None, self.draft_mode == "tree")

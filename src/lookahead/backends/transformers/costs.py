@@ -1,0 +1,48 @@
+"""Timing a transformers model's forward passes for its cost curves (decoding/costs.py caches and reads them)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+from .capability import Layout
+from .forward import ModelForward
+from .kvcache import BatchCache
+from .slab import SlabCache
+
+
+class ModelMeter:
+    """Passes of one model as the engine runs them: one row, or rows of a batch in `layout`."""
+
+    def __init__(self, forward: ModelForward, layout: Layout | None = None, tree_masks: bool = True) -> None:
+        self.forward = forward
+        self.layout = layout
+        self.tree_masks = tree_masks
+        name = getattr(forward.config, "_name_or_path", "")
+        key = f"{name}|{forward.model.dtype}|{forward.device}|threads={torch.get_num_threads()}"
+        if forward.attention is not None:  # another attention function, other costs
+            key += f"|attention={forward.attention}"
+        self.key = key if name else ""
+        self.batch_key = "|packed" if layout == "packed" else ""
+        self.max_positions = getattr(forward.config, "max_position_embeddings", None)
+
+    @contextlib.contextmanager
+    def passes(self, rows: int, context: int) -> Iterator[Callable[[int], None]]:
+        forward, tree_masks, packed = self.forward, self.tree_masks, self.layout == "packed"
+        vocab = forward.vocab_size
+        prefix = [(100 + 7 * i) % vocab for i in range(context)]
+        with torch.inference_mode():
+            cache = forward.new_cache()
+            forward.rows(cache, [prefix] * rows, [None] * rows, [0] * rows, tree_masks, last_only=True)
+            if packed:  # a slab's rows keep their length: a block is written after them and never kept
+                cache = SlabCache.merge([BatchCache(cache, [context] * rows, list(range(rows)))])
+
+            def run(width: int) -> None:
+                logits = forward.rows(cache, [prefix[:width]] * rows, [None] * rows, [context] * rows, tree_masks)
+                [row.argmax(-1).tolist() for row in logits]  # as a step: waits for the device
+                if not packed:
+                    cache.crop(-width)  # the context stays the same for every measurement
+
+            yield run

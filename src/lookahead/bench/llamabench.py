@@ -1,0 +1,250 @@
+"""Lookahead on llama.cpp against what a GGUF user runs instead: llama.cpp's own decoding and its prompt lookup.
+
+For each weights type of the bundled model (its Q4_1 file as shipped, and a float32 copy):
+one stream, every method on every prompt in a rotating order (a shared machine's slow spells
+fall on all of them):
+
+- `llama.cpp plain`: llama-cpp-python's `Llama.generate`, greedy, one token a step (the reference);
+- `llama.cpp prompt lookup`: the same with `LlamaPromptLookupDecoding` (10 tokens), its own speculation;
+- `plain (ours, llama.cpp)` and `lookahead (llama.cpp)`: this engine on the same file, without and with drafts;
+- with `--transformers` (float32 only): `plain (transformers)` and `lookahead (transformers)`, the engine's
+  other backend on the same weights.
+
+Then closed batches of `--streams` prompts through `generate_batch` on llama.cpp, plain and lookahead
+alternating group by group. Tokens/s count prefill (the whole call, as a user waits for it). Each
+output is compared with its reference (llama.cpp plain; for the transformers methods, transformers
+plain), and every divergence is reported with the top-2 logit margin of llama.cpp's one-token step
+at that position (a near-tie is rounding; a wide margin would be a bug).
+
+    python -m lookahead.bench.llamabench --out benchmarks/llama-smollm2-135m
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from ..engine import LookaheadEngine
+from ..models import load_model
+from .datasets import Prompt, load_prompts
+from .report import environment, markdown_table
+
+SETS = ["code-edit", "humaneval", "gsm8k", "mtbench", "creative"]
+REFERENCE = "llama.cpp plain"
+COLUMNS = ["weights", "dataset", "method", "prompts", "new_tokens", "tokens_per_s", "vs_llama_cpp", "tokens_per_step",
+           "identical"]  # fmt: skip
+BATCH_COLUMNS = ["weights", "streams", "method", "prompts", "new_tokens", "tokens_per_s", "vs_plain", "tokens_per_step",
+                 "identical"]  # fmt: skip
+
+Run = Callable[[list[int]], tuple[list[int], int | None]]
+"""A method on one prompt's ids: its new tokens and its forward passes after prefill (None where not known)."""
+
+
+def llama_runs(path: Path, threads: int, end_ids: frozenset[int], max_new_tokens: int) -> dict[str, Run]:
+    """llama-cpp-python's own decoding of the file, plain and with its prompt lookup."""
+    import llama_cpp
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    settings = {"n_ctx": 4096, "n_threads": threads, "n_threads_batch": threads, "verbose": False}
+    plain = llama_cpp.Llama(str(path), **settings)
+    lookup = llama_cpp.Llama(str(path), draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10), **settings)
+
+    def run(llama) -> Run:
+        def generate(ids: list[int]) -> tuple[list[int], int | None]:
+            out: list[int] = []
+            for token in llama.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+                out.append(token)
+                if token in end_ids or len(out) == max_new_tokens:
+                    break
+            return out, None
+
+        return generate
+
+    return {REFERENCE: run(plain), "llama.cpp prompt lookup": run(lookup)}
+
+
+def engine_runs(engine: LookaheadEngine, label: str, max_new_tokens: int) -> dict[str, Run]:
+    def run(use_lookahead: bool) -> Run:
+        def generate(ids: list[int]) -> tuple[list[int], int | None]:
+            out = engine.generate(ids, max_new_tokens, use_lookahead=use_lookahead)
+            return out.token_ids, out.stats.steps
+
+        return generate
+
+    return {f"plain (ours, {label})": run(False), f"lookahead ({label})": run(True)}
+
+
+def reference_margin(model, ids: list[int], reference: list[int], index: int) -> float:
+    """Top-2 logit margin of llama.cpp's one-token step where `reference` (its output after `ids`) takes `index`."""
+    from ..backends.llamacpp.verifier import Entry, LlamaCppDecoder
+
+    decoder, context = LlamaCppDecoder(model), ids + reference[:index]
+    with model.lock:
+        sequence = model.take_sequence()
+        decoder([Entry(token, i, (sequence,), False) for i, token in enumerate(context[:-1])])
+        top = np.sort(decoder([Entry(context[-1], len(context) - 1, (sequence,), True)])[0])[-2:]
+        model.give_back(sequence)
+    return round(float(top[1] - top[0]), 4)
+
+
+def first_difference(got: list[int], want: list[int]) -> int | None:
+    if got == want:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+
+
+def one_stream(runs: dict[str, Run], prompts: list[Prompt], ids: list[list[int]], progress: Callable[[str], None]):
+    """Every method on every prompt, rotating which goes first; (method, prompt index) -> (tokens, steps, s)."""
+    methods = list(runs)
+    for method in methods:  # warm-up: first calls pay one-off costs
+        runs[method](ids[0][:16])
+    samples: dict[tuple[str, int], tuple[list[int], int | None, float]] = {}
+    for number, prompt_ids in enumerate(ids):
+        shift = number % len(methods)
+        for method in methods[shift:] + methods[:shift]:
+            clock = time.perf_counter()
+            tokens, steps = runs[method](prompt_ids)
+            samples[method, number] = (tokens, steps, time.perf_counter() - clock)
+        progress(f"{prompts[number].dataset} {number + 1}/{len(ids)}")
+    return samples
+
+
+def summarize_stream(weights: str, samples, prompts: list[Prompt], references: dict[str, str]) -> list[dict]:
+    methods = list(dict.fromkeys(method for method, _ in samples))
+    rows = []
+    for dataset in [*dict.fromkeys(p.dataset for p in prompts), "all"]:
+        numbers = [n for n, p in enumerate(prompts) if dataset in ("all", p.dataset)]
+        base = sum(samples[REFERENCE, n][2] for n in numbers)
+        for method in methods:
+            tokens = sum(len(samples[method, n][0]) for n in numbers)
+            seconds = sum(samples[method, n][2] for n in numbers)
+            steps = [samples[method, n][1] for n in numbers]
+            reference = references[method]
+            same = sum(samples[method, n][0] == samples[reference, n][0] for n in numbers)
+            rows.append({
+                "weights": weights, "dataset": dataset, "method": method, "prompts": len(numbers),
+                "new_tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2),
+                "vs_llama_cpp": round(base / seconds, 3) if method != REFERENCE else 1.0,
+                "tokens_per_step": round(tokens / sum(steps), 3) if None not in steps and sum(steps) else None,
+                "identical": f"{same}/{len(numbers)}",
+            })  # fmt: skip
+    return rows
+
+
+def closed_batches(engine: LookaheadEngine, ids: list[list[int]], streams: int, max_new_tokens: int) -> dict:
+    """Groups of `streams` prompts through generate_batch, plain and lookahead alternating group by group."""
+    engine.generate_batch(ids[:2], 4, max_batch=streams, use_lookahead=False, progress=False)  # warm-up, probes
+    outputs: dict[bool, list] = {False: [], True: []}
+    seconds = {False: 0.0, True: 0.0}
+    for start in range(0, len(ids), streams):
+        group = ids[start : start + streams]
+        order = (False, True) if (start // streams) % 2 == 0 else (True, False)
+        for lookahead in order:
+            clock = time.perf_counter()
+            outputs[lookahead] += engine.generate_batch(
+                group, max_new_tokens, max_batch=streams, use_lookahead=lookahead, progress=False
+            )
+            seconds[lookahead] += time.perf_counter() - clock
+    return {"outputs": outputs, "seconds": seconds}
+
+
+def summarize_batches(weights: str, streams: int, run: dict, alone: list[list[int]]) -> list[dict]:
+    rows = []
+    plain_s = run["seconds"][False]
+    for lookahead, name in ((False, "plain (ours, llama.cpp)"), (True, "lookahead (llama.cpp)")):
+        outs = run["outputs"][lookahead]
+        tokens = sum(len(out.token_ids) for out in outs)
+        steps = sum(out.stats.steps for out in outs)
+        seconds = run["seconds"][lookahead]
+        rows.append({
+            "weights": weights, "streams": streams, "method": name, "prompts": len(outs), "new_tokens": tokens,
+            "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2),
+            "vs_plain": round(plain_s / seconds, 3), "tokens_per_step": round(tokens / steps, 3) if steps else None,
+            "identical": f"{sum(o.token_ids == a for o, a in zip(outs, alone, strict=True))}/{len(outs)}",
+        })  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lookahead.bench.llamabench", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m", help="a bundled model or a .gguf file")
+    parser.add_argument("--weights", default="float32,file", help="float32, float16, bfloat16, file (as shipped)")
+    parser.add_argument("--sets", default=",".join(SETS))
+    parser.add_argument("--limit", type=int, default=6, help="prompts per set")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--streams", type=int, default=8, help="rows of the closed batches (0: none)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--transformers", action="store_true", help="also the transformers backend (float32)")
+    parser.add_argument("--out", default="bench-out/llama")
+    args = parser.parse_args(argv)
+    prompts = load_prompts([s for s in args.sets.split(",") if s], args.limit)
+    weights = [w for w in args.weights.split(",") if w]
+    if bad := [w for w in weights if w not in ("float32", "float16", "bfloat16", "file")]:
+        raise SystemExit(f"unknown --weights {','.join(bad)}: choose from float32, float16, bfloat16, file")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, batch_rows, divergences = [], [], []
+    say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    for kind in weights:
+        model, tokenizer = load_model(args.model, None if kind == "file" else kind, backend="llama.cpp",
+                                      threads=args.threads)  # fmt: skip
+        label = f"{kind} ({model.file_type})"
+        say(f"== {label}: {model.path}")
+        engine = LookaheadEngine(model, tokenizer)
+        ids = [engine.chat_ids([{"role": "user", "content": prompt.text}]) for prompt in prompts]
+        runs = llama_runs(model.path, args.threads, model.vocabulary.end_ids, args.max_new_tokens)
+        runs.update(engine_runs(engine, "llama.cpp", args.max_new_tokens))
+        references = dict.fromkeys(runs, REFERENCE)
+        if args.transformers and kind == "float32":
+            hf_model, hf_tokenizer = load_model(args.model)
+            hf_runs = engine_runs(LookaheadEngine(hf_model, hf_tokenizer), "transformers", args.max_new_tokens)
+            runs.update(hf_runs)
+            references.update(dict.fromkeys(hf_runs, "plain (ours, transformers)"))
+        samples = one_stream(runs, prompts, ids, lambda text, label=label: say(f"{label}: {text}"))
+        rows += summarize_stream(label, samples, prompts, references)
+        for (method, number), (tokens, _, _) in samples.items():
+            want = samples[REFERENCE, number][0]
+            llama = method.endswith("(llama.cpp)") or method == "llama.cpp prompt lookup"
+            if llama and (index := first_difference(tokens, want)) is not None and index < len(want):
+                margin = reference_margin(model, ids[number], want, index)
+                divergences.append({"weights": label, "method": method, "prompt": prompts[number].key,
+                                    "position": index, "reference_margin": margin})  # fmt: skip
+        if args.streams > 1:
+            batched = LookaheadEngine(model, tokenizer)
+            run = closed_batches(batched, ids, args.streams, args.max_new_tokens)
+            batch_rows += summarize_batches(
+                label, args.streams, run, [samples[REFERENCE, n][0] for n in range(len(ids))]
+            )
+        model.close()
+    result = {
+        "command": "python -m lookahead.bench.llamabench " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "environment": environment(),
+        "settings": vars(args),
+        "one_stream": rows,
+        "batches": batch_rows,
+        "divergences": divergences,
+    }
+    (out / "llamabench.json").write_text(json.dumps(result, indent=1))
+    tables = [markdown_table(rows, COLUMNS)]
+    if batch_rows:
+        tables.append(markdown_table(batch_rows, BATCH_COLUMNS))
+    tables.append(markdown_table(divergences, ["weights", "method", "prompt", "position", "reference_margin"])
+                  if divergences else "No divergences from llama.cpp's plain decoding.")  # fmt: skip
+    text = "\n\n".join(tables)
+    (out / "llamabench.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""The llama.cpp backend: exact against llama.cpp's own greedy decoding, its KV invariants, vocabulary, bad input.
+
+The reference is llama-cpp-python's `Llama` decoding greedily, one token a step, on the same GGUF
+file. `make` builds llama.cpp without llamafile's matrix kernels, so a multi-token verification
+pass sums exactly as the one-token step does and every output must be identical; on a build with
+them, the exactness tests are skipped (the backend warns about that build).
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+import numpy as np
+import pytest
+from conftest import BENCHMARK_SETS, hf_greedy
+
+from lookahead import LookaheadConfig, LookaheadEngine, load_model
+from lookahead.bench.datasets import load_prompts
+from lookahead.cli import main
+
+llama_cpp = pytest.importorskip("llama_cpp", reason="the llama.cpp backend is not installed (make test installs it)")
+
+from lookahead.backends.llamacpp import model as llamacpp_model  # noqa: E402
+
+pytestmark = pytest.mark.slow
+TOKENS = 40
+FIXED = LookaheadConfig(policy="fixed", decoding_length=16, branch_length=8)
+
+
+@pytest.fixture(scope="module")
+def q4_1():
+    return load_model(backend="llama.cpp", threads=2)
+
+
+@pytest.fixture(scope="module")
+def f32():
+    return load_model(backend="llama.cpp", dtype="float32", threads=2)
+
+
+@pytest.fixture(scope="module")
+def prompts(q4_1) -> list[list[int]]:
+    """Two real chat prompts of every benchmark set, as ids."""
+    _, tokenizer = q4_1
+    return [
+        [int(t) for t in tokenizer.apply_chat_template([{"role": "user", "content": p.text}],
+                                                       add_generation_prompt=True, return_dict=False)]
+        for p in load_prompts(BENCHMARK_SETS, 2)
+    ]  # fmt: skip
+
+
+def llama_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """llama-cpp-python's own greedy decoding of the same file: one token a step, up to its end-of-generation set."""
+    reference = llama_cpp.Llama(str(model.path), n_ctx=2048, n_threads=2, n_threads_batch=2, verbose=False)
+    outputs = []
+    for ids in prompts:
+        out: list[int] = []
+        for token in reference.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+            out.append(token)
+            if token in model.vocabulary.end_ids or len(out) == max_new_tokens:
+                break
+        outputs.append(out)
+    reference.close()
+    return outputs
+
+
+def require_exact(model) -> None:
+    if not model.exact:
+        pytest.skip("this llama-cpp-python build has llamafile's kernels: multi-token passes round differently")
+
+
+@pytest.mark.parametrize(("weights", "config"), [("q4_1", FIXED), ("f32", None)], ids=["q4_1-fixed", "f32-adaptive"])
+def test_plain_and_lookahead_equal_llama_cpp_greedy(request, prompts, weights, config):
+    model, tokenizer = request.getfixturevalue(weights)
+    require_exact(model)
+    want = llama_greedy(model, prompts, TOKENS)
+    engine = LookaheadEngine(model, tokenizer, config)
+    assert engine.backend.name == "llama.cpp" and engine.tree_mode
+    plain = [engine.generate(ids, TOKENS, use_lookahead=False).token_ids for ids in prompts]
+    assert plain == want, "empty drafts: one token a step, as llama.cpp's own loop"
+    outputs = [engine.generate(ids, TOKENS) for ids in prompts]
+    assert [out.token_ids for out in outputs] == want
+    drafted = sum(out.stats.draft_tokens for out in outputs)
+    accepted = sum(out.stats.new_tokens - out.stats.steps - 1 for out in outputs)
+    assert drafted > 0 and accepted > 0, "drafts must have been verified and accepted"
+
+
+def _check_memory(engine, batch) -> None:
+    """Between steps: each row's sequence holds its tokens but the last and the pending, no other sequence holds any."""
+    verifier, decoder = engine.backend.verifier, engine.backend.verifier.decoder
+    model = engine.backend.model
+    rows = {verifier.sequence(g): g for g in batch.running}
+    for sequence, generation in rows.items():
+        assert decoder.last_position(sequence) == len(generation.tokens) - 2 - verifier.pending(generation)
+    held = {verifier.sequence(g) for g in batch.prefilling} | set(rows)
+    assert model.rows == len(held)
+    assert all(decoder.last_position(s) == -1 for s in range(model.sequences) if s not in held)
+
+
+def reference_margin(model, ids: list[int], reference: list[int], index: int) -> float:
+    """The top-2 logit margin of llama.cpp's plain decoding where `reference` (its greedy output after `ids`) takes
+    token `index`: the last context token decoded alone, as plain decoding does."""
+    from lookahead.backends.llamacpp.verifier import Entry, LlamaCppDecoder
+
+    decoder, context = LlamaCppDecoder(model), ids + reference[:index]
+    with model.lock:
+        sequence = model.take_sequence()
+        decoder([Entry(token, i, (sequence,), False) for i, token in enumerate(context[:-1])])
+        logits = decoder([Entry(context[-1], len(context) - 1, (sequence,), True)])[0]
+        top = np.sort(logits)[-2:]
+        model.give_back(sequence)
+    return float(top[1] - top[0])
+
+
+F32_NEAR_TIE = 1e-3
+"""Rows of a batch share llama.cpp's KV cells, interleaved: its attention then sums a row's cells with other gaps
+between them than the row alone has, which moves float32 logits by about 1e-6. A divergence from the row alone
+is rounding only where the reference's top-2 margin is below this; anything wider is a bug."""
+
+
+def test_rows_joining_leaving_and_cancelled_keep_the_memory_exact(f32, prompts):
+    model, tokenizer = f32
+    require_exact(model)
+    lengths = [TOKENS, 12, 25, TOKENS, 7, 30, 18, TOKENS]
+    want = llama_greedy(model, prompts, TOKENS)
+    engine = LookaheadEngine(model, tokenizer, FIXED)
+    batch = engine.batch(3)
+    generations = [engine.prepare(ids, n) for ids, n in zip(prompts, lengths, strict=True)]
+    for generation in generations:
+        batch.add(generation)
+    cancelled = generations[3]
+    rounds = 0
+    while batch:
+        batch.step()
+        rounds += 1
+        if rounds == 4:
+            assert cancelled in batch.running
+            batch.cancel(cancelled)
+        _check_memory(engine, batch)
+    assert model.rows == 0
+    margins = []
+    for number, (generation, n) in enumerate(zip(generations, lengths, strict=True)):
+        got = generation.output().token_ids
+        if generation is not cancelled and got != want[number][:n]:
+            first = next(i for i, (a, b) in enumerate(zip(got, want[number], strict=False)) if a != b)
+            margins.append(reference_margin(model, prompts[number], want[number], first))
+    print(f"batched rows that differ from the row alone (reference top-2 margins): {margins}")
+    assert all(margin < F32_NEAR_TIE for margin in margins), margins
+    assert len(margins) <= 1
+    assert sum(g.stats.draft_tokens for g in generations) > 0
+
+
+def test_a_rows_leaves_share_the_sequence_ids(q4_1):
+    model, tokenizer = q4_1
+    engine = LookaheadEngine(model, tokenizer, FIXED)
+    verifier = engine.backend.verifier
+    generations = [engine.prepare([5, 6, 7], 4) for _ in range(16)]
+    for generation in generations[:1]:
+        verifier.join(generation)
+    assert verifier.max_leaves(generations[0]) == FIXED.decoding_length
+    for generation in generations[1:]:
+        verifier.join(generation)
+    assert verifier.max_leaves(generations[0]) == (model.sequences - 16) // 16
+    for generation in generations:
+        verifier.leave(generation)
+    assert model.rows == 0
+
+
+NEAR_TIE = 0.05
+"""Largest top-2 logit margin a divergence between the two backends may have (f32 weights; llama.cpp keeps its
+KV cache in f16, transformers in f32): anything wider is a bug, not rounding."""
+
+
+def test_the_same_trees_get_the_same_verdicts_on_both_backends(f32, default_model, prompts):
+    """Trees built from transformers' greedy continuation with a wrong sibling at every level, stepped on both."""
+    import torch
+
+    from lookahead.drafting.tree import DraftTree
+
+    hf_model, _ = default_model
+    model, tokenizer = f32
+    engines = [LookaheadEngine(hf_model, tokenizer, FIXED), LookaheadEngine(model, tokenizer, FIXED)]
+    near_ties = []
+    for ids in prompts[:4]:
+        want = hf_greedy(hf_model, ids, 24)
+        generations = [engine.prepare(ids, 24) for engine in engines]
+        for engine, generation in zip(engines, generations, strict=True):
+            engine.verifier.join(generation)
+            generation.take([engine.verifier.prefill([generation], [len(ids)])[0]])
+        while not generations[0].done:
+            done = len(generations[0].transcript.tokens)
+            truth = want[done : done + 4]
+            tokens, parents = [], []
+            for depth, token in enumerate(truth):  # node 2k+1: the true token; 2k+2: a wrong sibling
+                parent = 0 if depth == 0 else 2 * depth - 1
+                tokens += [token, (token + 1) % 49152]
+                parents += [parent, parent]
+            tree = DraftTree(tokens, parents)
+            verdicts = [
+                engine.verifier.verify([g], [tree])[0][0] for engine, g in zip(engines, generations, strict=True)
+            ]
+            if verdicts[0] != verdicts[1]:
+                ours, theirs = (verdict.emitted for verdict in verdicts)
+                first = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b)
+                context = ids + generations[0].transcript.tokens + verdicts[0].emitted[:first]
+                with torch.inference_mode():
+                    logits = hf_model(torch.tensor([context])).logits[0, -1]
+                top = logits.topk(2).values
+                near_ties.append(float(top[0] - top[1]))
+                break
+            for generation, verdict in zip(generations, verdicts, strict=True):
+                generation.take(verdict.emitted)
+        for engine, generation in zip(engines, generations, strict=True):
+            engine.verifier.leave(generation)
+    print(f"verdicts that differ between transformers and llama.cpp (top-2 margins): {near_ties}")
+    assert all(margin < NEAR_TIE for margin in near_ties), near_ties
+    assert len(near_ties) <= 1
+
+
+def test_seeded_sampling_is_the_same_with_and_without_lookahead(f32, prompts):
+    model, tokenizer = f32
+    require_exact(model)
+    engine = LookaheadEngine(model, tokenizer, FIXED)
+    for seed, ids in enumerate(prompts[:4]):
+        options = {"do_sample": True, "temperature": 0.8, "top_p": 0.95, "seed": seed}
+        fast = engine.generate(ids, TOKENS, **options)
+        assert fast.token_ids == engine.generate(ids, TOKENS, use_lookahead=False, **options).token_ids
+        assert fast.token_ids != engine.generate(ids, TOKENS, **{**options, "seed": seed + 100}).token_ids
+
+
+def test_a_tokenizer_of_another_vocabulary_is_refused(q4_1):
+    model, tokenizer = q4_1
+    texts = model._token_texts()
+    llamacpp_model.check_vocabulary(texts, tokenizer, "model.gguf")
+    texts[100] = texts[100] + "x"
+    with pytest.raises(ValueError, match=r"model.gguf: token 100 is .* the tokenizer is not this model's") as err:
+        llamacpp_model.check_vocabulary(texts, tokenizer, "model.gguf")
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="the tokenizer has 49152 tokens, the GGUF vocabulary 100"):
+        llamacpp_model.check_vocabulary(texts[:100], tokenizer, "model.gguf")
+
+
+def test_bad_backend_input_is_one_line_before_loading(tmp_path, capsys, monkeypatch):
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["generate", "--backend", "llama.cpp", "--model", str(tmp_path), "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lookahead: error:") and "runs GGUF files" in err and "\n" not in err
+    assert main(["generate", "--backend", "llama.cpp", "--model", str(tmp_path / "missing.gguf"), "hi"]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(llamacpp_model.metadata, "version", missing)
+    assert main(["generate", "--backend", "llama.cpp", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "pip install 'lookahead[llama]'" in err and "\n" not in err
