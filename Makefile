@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup llama-wheel run test lint models bench bench-sampling bench-full bench-gpu bench-batch bench-batch-full bench-longdoc bench-sharing replay replay-full trie-bench loadcheck
+.PHONY: setup llama-wheel run test lint models bench bench-sampling bench-full bench-gpu bench-batch bench-batch-full bench-llama bench-longdoc bench-sharing replay replay-full trie-bench loadcheck
 
 setup: $(STAMP)
 
@@ -92,6 +92,11 @@ bench-batch: setup
 bench-batch-full: models
 	$(BIN)/python -m lookahead.bench.batchbench --model qwen2.5-coder-0.5b --prompts 8 --prompts-per-stream 2 \
 		--out benchmarks/batch-qwen2.5-coder-0.5b
+
+# On llama.cpp: lookahead against llama-cpp-python's own decoding and prompt lookup, float32 and the bundled Q4_1,
+# one stream and closed batches of 8, beside the transformers backend (about 40 minutes on 2 cores).
+bench-llama: setup
+	$(BIN)/python -m lookahead.bench.llamabench --transformers --out benchmarks/llama-smollm2-135m
 
 # Documentation questions of 0.5k-8k tokens, fresh and warm engine, lookahead vs plain: benchmarks/longdoc-<model>/.
 bench-longdoc: setup

@@ -85,15 +85,15 @@ def test_plain_and_lookahead_equal_llama_cpp_greedy(request, prompts, weights, c
 
 
 def _check_memory(engine, batch) -> None:
-    """Between steps: each row's sequence holds its tokens but the last and the pending, no other sequence holds any."""
-    verifier, decoder = engine.backend.verifier, engine.backend.verifier.decoder
-    model = engine.backend.model
+    """Between steps: a row's sequence holds its tokens but the last and the pending; no other but the kept prefix's
+    holds any."""
+    verifier, model = engine.backend.verifier, engine.backend.model
     rows = {verifier.sequence(g): g for g in batch.running}
     for sequence, generation in rows.items():
-        assert decoder.last_position(sequence) == len(generation.tokens) - 2 - verifier.pending(generation)
-    held = {verifier.sequence(g) for g in batch.prefilling} | set(rows)
+        assert model.last_position(sequence) == len(generation.tokens) - 2 - verifier.pending(generation)
+    held = {verifier.sequence(g) for g in batch.prefilling} | set(rows) | {model.kept} - {None}
     assert model.rows == len(held)
-    assert all(decoder.last_position(s) == -1 for s in range(model.sequences) if s not in held)
+    assert all(model.last_position(s) == -1 for s in range(model.sequences) if s not in held)
 
 
 def reference_margin(model, ids: list[int], reference: list[int], index: int) -> float:
@@ -136,7 +136,7 @@ def test_rows_joining_leaving_and_cancelled_keep_the_memory_exact(f32, prompts):
             assert cancelled in batch.running
             batch.cancel(cancelled)
         _check_memory(engine, batch)
-    assert model.rows == 0
+    assert model.rows == 1, "only the kept prefix"
     margins = []
     for number, (generation, n) in enumerate(zip(generations, lengths, strict=True)):
         got = generation.output().token_ids
@@ -159,10 +159,11 @@ def test_a_rows_leaves_share_the_sequence_ids(q4_1):
     assert verifier.max_leaves(generations[0]) == FIXED.decoding_length
     for generation in generations[1:]:
         verifier.join(generation)
-    assert verifier.max_leaves(generations[0]) == (model.sequences - 16) // 16
+    assert model.rows == 16 + (model.kept is not None)
+    assert verifier.max_leaves(generations[0]) == (model.sequences - model.rows) // model.rows
     for generation in generations:
         verifier.leave(generation)
-    assert model.rows == 0
+    assert model.rows == 1, "only the kept prefix"
 
 
 NEAR_TIE = 0.05

@@ -56,6 +56,6 @@ def test_closing_a_stream_releases_its_drafter_and_cache(engine):
     generation = engine.prepare(PROMPTS[1], 40)
     steps = engine._steps(generation, use_lookahead=True)
     next(steps)
-    assert generation.cache is not None and engine.trie.stats()["live_requests"] == 1
+    assert engine.verifier.holds(generation) and engine.trie.stats()["live_requests"] == 1
     steps.close()
-    assert generation.cache is None and engine.trie.stats()["live_requests"] == 0
+    assert not engine.verifier.holds(generation) and engine.trie.stats()["live_requests"] == 0

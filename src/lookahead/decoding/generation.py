@@ -1,7 +1,8 @@
 """One sequence being decoded, and what it reports when it ends.
 
 A `Generation` is all the state of one request between steps: its tokens so far, where it
-stops (the transcript), how it chooses tokens, its drafter and its KV cache. The step works
+stops (the transcript), how it chooses tokens and its drafter. Its KV cache is its verifier's
+(from `join` to `leave`), not here. The step works
 on a list of them, so a batch is a longer list, not another architecture.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .transcript import FinishReason, Transcript
 
@@ -85,8 +86,6 @@ class Generation:
         self.on_tokens = on_tokens
         self.drafter: Drafter | None = None
         """Set while decoding with drafts; None for plain decoding."""
-        self.cache: Any = None
-        """The verifier's KV cache of this sequence."""
         self.prefilled = 0
         """Prompt tokens read into the cache so far (a long prompt is read in chunks, between steps)."""
         self.stats = GenerationStats()

@@ -73,7 +73,7 @@ class LlamaCppMeter:
                     block = [Entry(prefix[i], context + i, (s,), True) for s in sequences for i in range(width)]
                     decoder(block).argmax(-1)  # as a step: every row's choices
                     for sequence in sequences:
-                        decoder.remove(sequence, context)
+                        model.remove_cells(sequence, context)
 
                 yield run
             finally:

@@ -122,7 +122,9 @@ class LlamaCppModel:
         """True if multi-token passes sum as the one-token step does (a build without llamafile's kernels)."""
         self._free = list(range(self.sequences - 1, -1, -1))
         self.rows = 0
-        """Sequence ids held by running generations (each verifier's rows), not by a step's leaves."""
+        """Sequence ids held between steps: running generations' and the kept prefix's, not a step's leaves."""
+        self._kept: tuple[int, list[int]] | None = None
+        """The sequence and tokens of the last generation to end, kept for the next prompt's common prefix."""
 
     def take_sequence(self, row: bool = False) -> int:
         """A sequence id no one holds, with no cells (the lowest free); `row`: for a generation, not a leaf."""
@@ -133,9 +135,53 @@ class LlamaCppModel:
 
     def give_back(self, sequence: int, row: bool = False) -> None:
         """Drop `sequence`'s cells and make it free again."""
-        self.lib.llama_memory_seq_rm(self.memory, sequence, -1, -1)
+        self.remove_cells(sequence)
         self.rows -= row
         self._free.append(sequence)
+
+    # ---- the memory: sequences of cells (call with the lock held) --------------------------------
+
+    def copy_cells(self, source: int, target: int, start: int = -1, end: int = -1) -> None:
+        """Add `target` to the cells of `source` at positions [start, end) (-1: open); no data moves."""
+        self.lib.llama_memory_seq_cp(self.memory, source, target, start, end)
+
+    def remove_cells(self, sequence: int, start: int = -1, end: int = -1) -> None:
+        """Take `sequence` off its cells at positions [start, end) (-1: open); a cell of no sequence is freed."""
+        self.lib.llama_memory_seq_rm(self.memory, sequence, start, end)
+
+    def last_position(self, sequence: int) -> int:
+        """The highest position `sequence` holds a cell at; -1 if none."""
+        return int(self.lib.llama_memory_seq_pos_max(self.memory, sequence))
+
+    @property
+    def kept(self) -> int | None:
+        """The sequence kept for its prefix, if any."""
+        return None if self._kept is None else self._kept[0]
+
+    def keep_prefix(self, sequence: int, tokens: list[int]) -> None:
+        """Keep a finished generation's sequence (a row's id, held) and its `tokens` for the next prompt's prefix,
+        as llama.cpp's own loop keeps its last prompt; the one kept before is freed."""
+        if self._kept is not None:
+            self.give_back(self._kept[0], row=True)
+        self._kept = (sequence, tokens)
+
+    def reuse_prefix(self, prompt: list[int], sequence: int) -> int:
+        """Give the empty `sequence` the cells of the kept tokens it shares a prefix with (all but the prompt's last
+        token, which must be read for its logits); how many. The kept sequence is cut there, so the rest of the
+        prompt takes the next cells, where reading the whole prompt would have put it."""
+        if self._kept is None:
+            return 0
+        kept, tokens = self._kept
+        common = 0
+        for a, b in zip(tokens, prompt[:-1], strict=False):
+            if a != b:
+                break
+            common += 1
+        if common:
+            self.remove_cells(kept, common)
+            self.copy_cells(kept, sequence, 0, common)
+            self._kept = (kept, tokens[:common])
+        return common
 
     @property
     def vocab_size(self) -> int:

@@ -92,20 +92,6 @@ class LlamaCppDecoder:
             return np.zeros((0, self._vocab), dtype=np.float32)
         return np.ctypeslib.as_array(lib.llama_get_logits(self.model.ctx), shape=(outputs, self._vocab))
 
-    # ---- the memory: sequences of cells ----------------------------------------------------
-
-    def copy(self, source: int, target: int, start: int = -1, end: int = -1) -> None:
-        """Add `target` to the cells of `source` at positions [start, end) (-1: open)."""
-        self.lib.llama_memory_seq_cp(self.model.memory, source, target, start, end)
-
-    def remove(self, sequence: int, start: int = -1, end: int = -1) -> None:
-        """Take `sequence` off its cells at positions [start, end) (-1: open); a cell of no sequence is freed."""
-        self.lib.llama_memory_seq_rm(self.model.memory, sequence, start, end)
-
-    def last_position(self, sequence: int) -> int:
-        """The highest position `sequence` holds a cell at; -1 if none."""
-        return int(self.lib.llama_memory_seq_pos_max(self.model.memory, sequence))
-
 
 def _tree_layout(tree: DraftTree) -> tuple[list[int], list[int], list[list[int]]]:
     """The block indices in the order a call carries them, the leaves, and per block index the leaves below it.
@@ -160,11 +146,13 @@ class LlamaCppVerifier:
             self._sequence[generation] = self.model.take_sequence(row=True)
 
     def leave(self, generation: Generation) -> None:
-        self._pending.pop(generation, None)
+        """The generation's sequence is kept by the model for its prefix (see LlamaCppModel.keep_prefix)."""
+        pending = self._pending.pop(generation, 0)
         sequence = self._sequence.pop(generation, None)
         if sequence is not None:
             with self.model.lock:
-                self.model.give_back(sequence, row=True)
+                cached = self.model.last_position(sequence) + 1
+                self.model.keep_prefix(sequence, generation.tokens[: min(cached, len(generation.tokens) - 1 - pending)])
 
     def max_leaves(self, generation: Generation) -> int:
         """The model's sequence ids shared out among the running rows (each keeps one for itself)."""
@@ -188,6 +176,9 @@ class LlamaCppVerifier:
         entries: list[Entry] = []
         finishing: list[Generation] = []
         for generation, count in zip(generations, counts, strict=True):
+            if not generation.prefilled:
+                with self.model.lock:
+                    generation.prefilled = self.model.reuse_prefix(generation.prompt, self._sequence[generation])
             read, prompt = generation.prefilled, generation.prompt
             end = min(read + count, len(prompt))
             sequence = self._sequence[generation]
@@ -221,12 +212,12 @@ class LlamaCppVerifier:
                 base = self._sequence[generation]
                 past = len(generation.tokens) - 1
                 pending = self._pending.get(generation, 0)
-                if decoder.last_position(base) != past - 1 - pending:
+                if self.model.last_position(base) != past - 1 - pending:
                     raise RuntimeError("a generation's llama.cpp sequence does not match its tokens")
                 order, leaves, below = _tree_layout(tree)
                 borrowed = [self.model.take_sequence() for _ in leaves]
                 for leaf in borrowed:
-                    decoder.copy(base, leaf)
+                    self.model.copy_cells(base, leaf)
                 for position in range(past - pending, past):  # accepted last step, but not in place: laid again
                     entries.append(Entry(generation.tokens[position], position, (base, *borrowed), False))
                 depths = [0, *tree.depths]
@@ -253,7 +244,7 @@ class LlamaCppVerifier:
                 if in_place:
                     past = len(generation.tokens) - 1
                     leaf = borrowed[leaves.index(_leaf_under(tree, accepted[in_place - 1]))]
-                    decoder.copy(leaf, base, past + 1, past + 1 + in_place)
+                    self.model.copy_cells(leaf, base, past + 1, past + 1 + in_place)
                 self._pending[generation] = len(accepted) - in_place
                 self._release(borrowed)
             done = time.perf_counter()

@@ -29,21 +29,7 @@ from .forward import ModelForward
 from .kvcache import BatchCache
 from .slab import SlabCache
 
-
-def _batch(generations: Sequence[Generation], layout: Layout) -> BatchCache | SlabCache:
-    """The one cache of exactly these generations: their caches merged (a slab if packed), leavers' rows dropped."""
-    first = generations[0].cache
-    if first.owners == list(generations):
-        return first
-    caches: list[BatchCache | SlabCache] = []
-    for generation in generations:
-        if not any(generation.cache is cache for cache in caches):
-            caches.append(generation.cache)
-    parts = [cache.select([g for g in generations if g.cache is cache]) for cache in caches]
-    merged = SlabCache.merge(parts) if layout == "packed" else BatchCache.merge(parts)
-    for generation in generations:
-        generation.cache = merged
-    return merged
+RowCache = BatchCache | SlabCache
 
 
 class ModelVerifier:
@@ -57,6 +43,8 @@ class ModelVerifier:
         """How rows of different lengths share one forward pass (capability.probe_batching); None: they do not."""
         window = getattr(forward.config, "sliding_window", None)
         self._window = window if isinstance(window, int) and window > 0 else None
+        self._caches: dict[Generation, RowCache] = {}
+        """The cache each generation's rows live in (several generations share one once stepped together)."""
 
     @property
     def batched(self) -> bool:
@@ -73,7 +61,26 @@ class ModelVerifier:
         """Nothing to take: the generation's cache is made at its prefill and merged at its first batched step."""
 
     def leave(self, generation: Generation) -> None:
-        generation.cache = None
+        self._caches.pop(generation, None)
+
+    def holds(self, generation: Generation) -> bool:
+        """True while a cache of the generation is kept here (from its prefill until it leaves)."""
+        return generation in self._caches
+
+    def _batch(self, generations: Sequence[Generation]) -> RowCache:
+        """The one cache of exactly these generations: their caches merged (a slab if packed), leavers' rows dropped."""
+        first = self._caches[generations[0]]
+        if first.owners == list(generations):
+            return first
+        caches: list[RowCache] = []
+        for generation in generations:
+            if not any(self._caches[generation] is cache for cache in caches):
+                caches.append(self._caches[generation])
+        parts = [cache.select([g for g in generations if self._caches[g] is cache]) for cache in caches]
+        merged = SlabCache.merge(parts) if self.layout == "packed" else BatchCache.merge(parts)
+        for generation in generations:
+            self._caches[generation] = merged
+        return merged
 
     def prefill(self, generations: Sequence[Generation], counts: Sequence[int]) -> list[int | None]:
         firsts: list[int | None] = []
@@ -83,11 +90,12 @@ class ModelVerifier:
                     firsts.append(None)
                     continue
                 clock = time.perf_counter()
-                cache = generation.cache.cache if generation.cache is not None else self.forward.new_cache()
+                kept = self._caches.get(generation)
+                cache = kept.cache if kept is not None else self.forward.new_cache()
                 read, prompt = generation.prefilled, generation.prompt
                 logits = self.forward(cache, prompt[read : read + count], read, last_only=True)[-1:]
                 generation.prefilled = read = min(read + count, len(prompt))
-                generation.cache = BatchCache(cache, [read], [generation])
+                self._caches[generation] = BatchCache(cache, [read], [generation])
                 firsts.append(node_choice(generation, logits, prompt)(0, []) if read == len(prompt) else None)
                 generation.stats.prefill_s += time.perf_counter() - clock
         return firsts
@@ -105,7 +113,7 @@ class ModelVerifier:
     def _verify_rows(self, pairs: list[tuple[Generation, DraftTree]], verdicts: dict[int, Verdict]) -> float:
         """One forward pass over these rows; their verdicts into `verdicts`; the milliseconds of the model's work."""
         tree_of = {id(generation): tree for generation, tree in pairs}
-        batch = _batch([generation for generation, _ in pairs], self.layout)
+        batch = self._batch([generation for generation, _ in pairs])
         rows: list[Generation] = batch.owners  # the cache's row order
         trees = [tree_of[id(generation)] for generation in rows]
         for generation, length in zip(rows, batch.lengths, strict=True):
