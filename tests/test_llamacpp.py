@@ -8,6 +8,7 @@ them, the exactness tests are skipped (the backend warns about that build).
 
 from __future__ import annotations
 
+import json
 from importlib import metadata
 
 import numpy as np
@@ -255,3 +256,17 @@ def test_bad_backend_input_is_one_line_before_loading(tmp_path, capsys, monkeypa
     assert main(["generate", "--backend", "llama.cpp", "hi"]) == 2
     err = capsys.readouterr().err.strip()
     assert "pip install 'lookahead[llama]'" in err and "\n" not in err
+
+
+def test_the_llama_cpp_benchmark_runs_every_method_and_checks_every_output(tmp_path):
+    from lookahead.bench import llamabench
+
+    out = tmp_path / "llama"
+    args = ["--weights", "file", "--sets", "gsm8k", "--limit", "1", "--max-new-tokens", "8", "--streams", "2"]
+    assert llamabench.main([*args, "--out", str(out)]) == 0
+    result = json.loads((out / "llamabench.json").read_text())
+    methods = {row["method"] for row in result["one_stream"] if row["dataset"] == "all"}
+    assert methods == {"llama.cpp plain", "llama.cpp prompt lookup", "plain (ours, llama.cpp)", "lookahead (llama.cpp)"}
+    assert all(row["new_tokens"] > 0 and row["identical"] == "1/1" for row in result["one_stream"])
+    assert [row["streams"] for row in result["batches"]] == [2, 2]
+    assert "llama.cpp plain" in (out / "llamabench.md").read_text()

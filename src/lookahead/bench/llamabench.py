@@ -70,8 +70,13 @@ def llama_runs(path: Path, threads: int, end_ids: frozenset[int], max_new_tokens
     return {REFERENCE: run(plain), "llama.cpp prompt lookup": run(lookup)}
 
 
-def engine_runs(engine: LookaheadEngine, label: str, max_new_tokens: int) -> dict[str, Run]:
+def engine_runs(engines: tuple[LookaheadEngine, LookaheadEngine], label: str, max_new_tokens: int) -> dict[str, Run]:
+    """Plain decoding on the first engine, lookahead on the second (on llama.cpp each on a model of its own: a
+    model's KV cache keeps the last prompt's cells for the next, as each `Llama` keeps its own)."""
+
     def run(use_lookahead: bool) -> Run:
+        engine = engines[use_lookahead]
+
         def generate(ids: list[int]) -> tuple[list[int], int | None]:
             out = engine.generate(ids, max_new_tokens, use_lookahead=use_lookahead)
             return out.token_ids, out.stats.steps
@@ -138,9 +143,13 @@ def summarize_stream(weights: str, samples, prompts: list[Prompt], references: d
     return rows
 
 
-def closed_batches(engine: LookaheadEngine, ids: list[list[int]], streams: int, max_new_tokens: int) -> dict:
-    """Groups of `streams` prompts through generate_batch, plain and lookahead alternating group by group."""
-    engine.generate_batch(ids[:2], 4, max_batch=streams, use_lookahead=False, progress=False)  # warm-up, probes
+def closed_batches(
+    engines: tuple[LookaheadEngine, LookaheadEngine], ids: list[list[int]], streams: int, max_new_tokens: int
+) -> dict:
+    """Groups of `streams` prompts through generate_batch, plain (first engine) and lookahead (second) alternating
+    group by group."""
+    for engine in engines:  # warm-up: probes and the batched cost curves
+        engine.generate_batch(ids[:2], 4, max_batch=streams, use_lookahead=False, progress=False)
     outputs: dict[bool, list] = {False: [], True: []}
     seconds = {False: 0.0, True: 0.0}
     for start in range(0, len(ids), streams):
@@ -148,7 +157,7 @@ def closed_batches(engine: LookaheadEngine, ids: list[list[int]], streams: int, 
         order = (False, True) if (start // streams) % 2 == 0 else (True, False)
         for lookahead in order:
             clock = time.perf_counter()
-            outputs[lookahead] += engine.generate_batch(
+            outputs[lookahead] += engines[lookahead].generate_batch(
                 group, max_new_tokens, max_batch=streams, use_lookahead=lookahead, progress=False
             )
             seconds[lookahead] += time.perf_counter() - clock
@@ -196,18 +205,24 @@ def main(argv: list[str] | None = None) -> int:
     rows, batch_rows, divergences = [], [], []
     say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     for kind in weights:
-        model, tokenizer = load_model(args.model, None if kind == "file" else kind, backend="llama.cpp",
-                                      threads=args.threads)  # fmt: skip
+
+        def own_engine(kind: str = kind) -> LookaheadEngine:
+            model, tokenizer = load_model(args.model, None if kind == "file" else kind, backend="llama.cpp",
+                                          threads=args.threads)  # fmt: skip
+            return LookaheadEngine(model, tokenizer)
+
+        engines = (own_engine(), own_engine())
+        model = engines[0].model
         label = f"{kind} ({model.file_type})"
         say(f"== {label}: {model.path}")
-        engine = LookaheadEngine(model, tokenizer)
-        ids = [engine.chat_ids([{"role": "user", "content": prompt.text}]) for prompt in prompts]
+        ids = [engines[0].chat_ids([{"role": "user", "content": prompt.text}]) for prompt in prompts]
         runs = llama_runs(model.path, args.threads, model.vocabulary.end_ids, args.max_new_tokens)
-        runs.update(engine_runs(engine, "llama.cpp", args.max_new_tokens))
+        runs.update(engine_runs(engines, "llama.cpp", args.max_new_tokens))
         references = dict.fromkeys(runs, REFERENCE)
         if args.transformers and kind == "float32":
             hf_model, hf_tokenizer = load_model(args.model)
-            hf_runs = engine_runs(LookaheadEngine(hf_model, hf_tokenizer), "transformers", args.max_new_tokens)
+            hf_engine = LookaheadEngine(hf_model, hf_tokenizer)
+            hf_runs = engine_runs((hf_engine, hf_engine), "transformers", args.max_new_tokens)
             runs.update(hf_runs)
             references.update(dict.fromkeys(hf_runs, "plain (ours, transformers)"))
         samples = one_stream(runs, prompts, ids, lambda text, label=label: say(f"{label}: {text}"))
@@ -220,12 +235,19 @@ def main(argv: list[str] | None = None) -> int:
                 divergences.append({"weights": label, "method": method, "prompt": prompts[number].key,
                                     "position": index, "reference_margin": margin})  # fmt: skip
         if args.streams > 1:
-            batched = LookaheadEngine(model, tokenizer)
-            run = closed_batches(batched, ids, args.streams, args.max_new_tokens)
-            batch_rows += summarize_batches(
-                label, args.streams, run, [samples[REFERENCE, n][0] for n in range(len(ids))]
-            )
-        model.close()
+            run = closed_batches((own_engine(), own_engine()), ids, args.streams, args.max_new_tokens)
+            alone = [samples[REFERENCE, n][0] for n in range(len(ids))]
+            batch_rows += summarize_batches(label, args.streams, run, alone)
+            for lookahead, outs in run["outputs"].items():
+                method = f"{'lookahead' if lookahead else 'plain (ours)'}, {args.streams} streams"
+                for number, output in enumerate(outs):
+                    index = first_difference(output.token_ids, alone[number])
+                    if index is not None and index < len(alone[number]):
+                        margin = reference_margin(model, ids[number], alone[number], index)
+                        divergences.append({"weights": label, "method": method, "prompt": prompts[number].key,
+                                            "position": index, "reference_margin": margin})  # fmt: skip
+        for engine in engines:
+            engine.model.close()
     result = {
         "command": "python -m lookahead.bench.llamabench " + shlex.join(sys.argv[1:] if argv is None else argv),
         "environment": environment(),
