@@ -54,7 +54,8 @@ class LlamaCppMeter:
     def __init__(self, model: LlamaCppModel) -> None:
         self.model = model
         stat = model.path.stat()
-        self.key = f"llama.cpp|{model.path}|{stat.st_size}|{stat.st_mtime_ns}|threads={model.threads}"
+        kernels = "exact" if model.exact else "llamafile"  # another build, other kernels, other costs
+        self.key = f"llama.cpp|{model.path}|{stat.st_size}|{stat.st_mtime_ns}|threads={model.threads}|{kernels}"
         self.max_positions = min(model.trained_context, model.cells)
 
     @contextlib.contextmanager
