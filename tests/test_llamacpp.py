@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 from importlib import metadata
 
-import numpy as np
 import pytest
 from conftest import BENCHMARK_SETS, hf_greedy
 
 from lookahead import LookaheadConfig, LookaheadEngine, load_model
 from lookahead.bench.datasets import load_prompts
+from lookahead.bench.llamabench import reference_margin
 from lookahead.cli import main
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="the llama.cpp backend is not installed (make test installs it)")
@@ -95,21 +95,6 @@ def _check_memory(engine, batch) -> None:
     held = {verifier.sequence(g) for g in batch.prefilling} | set(rows) | {model.kept} - {None}
     assert model.rows == len(held)
     assert all(model.last_position(s) == -1 for s in range(model.sequences) if s not in held)
-
-
-def reference_margin(model, ids: list[int], reference: list[int], index: int) -> float:
-    """The top-2 logit margin of llama.cpp's plain decoding where `reference` (its greedy output after `ids`) takes
-    token `index`: the last context token decoded alone, as plain decoding does."""
-    from lookahead.backends.llamacpp.verifier import Entry, LlamaCppDecoder
-
-    decoder, context = LlamaCppDecoder(model), ids + reference[:index]
-    with model.lock:
-        sequence = model.take_sequence()
-        decoder([Entry(token, i, (sequence,), False) for i, token in enumerate(context[:-1])])
-        logits = decoder([Entry(context[-1], len(context) - 1, (sequence,), True)])[0]
-        top = np.sort(logits)[-2:]
-        model.give_back(sequence)
-    return float(top[1] - top[0])
 
 
 F32_NEAR_TIE = 1e-3
