@@ -192,3 +192,33 @@ def test_batch_benchmark_batched_only_compares_the_two_batches(tmp_path):
     assert [row["method"] for row in result["results"]] == ["batched lookahead", "batched plain"]
     assert all(row["exact_match"] == 1.0 and row["requests"] == 4 for row in result["results"])
     assert result["hf_continuous_batching"] is None
+
+
+@pytest.mark.slow
+def test_closed_batch_benchmark_per_set_mixed_and_through_hf_generate(tmp_path):
+    from lookahead.bench.closedbench import main as closed_main
+
+    args = ["--sizes", "2", "--sets", "code-edit,mixed", "--passes", "2", "--max-new-tokens", "6", "--hf", "--trace"]
+    assert closed_main([*args, "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "closed.json").read_text())
+    assert [(row["prompts"], row["group"]) for row in result["results"]] == [(2, "code-edit"), (2, "mixed")]
+    for row in result["results"]:
+        assert row["exact_match"] == 1.0 and row["ratio"] > 0 and len(row["ratios_by_pass"]) == 2
+        assert 0 < row["rounds"] <= 6 and row["plain_rounds"] >= row["rounds"]
+    (hf_row,) = result["hf_generate"]
+    assert hf_row["lookahead_equals_engine_plain"] == 1.0 and hf_row["ratio"] > 0
+    runs = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    assert [run["drafts"] for run in runs] == [False, True, True, False] * 2, "methods in turn, order swapped"
+    for run in runs:
+        steps = [entry for entry in run["passes"] if "rows" in entry]
+        prefills = [entry for entry in run["passes"] if "prefill_tokens" in entry]
+        assert steps and prefills and all(entry["ms"] > 0 and entry["predicted_ms"] > 0 for entry in steps)
+        assert all(entry["tokens"] == entry["rows"] for entry in steps) or run["drafts"]
+
+
+def test_closed_batch_benchmark_refuses_unknown_sets(capsys):
+    from lookahead.bench.closedbench import main as closed_main
+
+    with pytest.raises(SystemExit) as exit_:
+        closed_main(["--sets", "code-edit,poetry"])
+    assert exit_.value.code == 2 and "--sets" in capsys.readouterr().err

@@ -22,7 +22,13 @@ def test_greedy_hook_equals_generate(model, inputs):
     plain = model.generate(**inputs, do_sample=False, max_new_tokens=48)
     hooked = model.generate(**inputs, do_sample=False, max_new_tokens=48, custom_generate=lookahead.hf.generate)
     assert hooked.tolist() == plain.tolist()
-    assert lookahead.hf.engine_for(model).trie.stats(), "the per-model engine kept its trie"
+    engine = lookahead.hf.engine_for(model)
+    assert engine.trie.stats()["shared_nodes"] > 0, "the per-model engine kept its trie"
+    lookahead.hf.forget(model)
+    assert (
+        lookahead.hf.engine_for(model) is not engine
+        and lookahead.hf.engine_for(model).trie.stats()["shared_nodes"] == 0
+    )
 
 
 def test_sampling_hook_equals_the_engine_with_the_same_seed(model, tokenizer, inputs):

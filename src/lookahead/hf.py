@@ -32,6 +32,11 @@ def engine_for(model: PreTrainedModel) -> LookaheadEngine:
     return _ENGINES[model]
 
 
+def forget(model: PreTrainedModel) -> None:
+    """Drop the engine kept for `model`, and what its trie learned: the next `generate` starts afresh."""
+    _ENGINES.pop(model, None)
+
+
 def generate(
     model: PreTrainedModel,
     input_ids: torch.LongTensor,

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -41,7 +40,7 @@ import torch
 from ..engine import LookaheadEngine
 from ..models import eos_ids, load_model
 from .datasets import load_prompts
-from .report import add_model_options, environment, markdown_table
+from .report import add_model_options, markdown_table, run_record
 
 SETS = ["humaneval", "gsm8k", "mtbench", "code-edit", "creative"]
 SINGLE = "lookahead, single-stream engine"
@@ -281,10 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                          "exact_match": exact(outs, reference)})  # fmt: skip
             print(rows[-1], flush=True)
     result = {
-        "command": "python -m lookahead.bench.batchbench " + " ".join(sys.argv[1:] if argv is None else argv),
-        "model": args.model or "smollm2-135m",
-        "environment": environment(),
-        "settings": vars(args),
+        **run_record("lookahead.bench.batchbench", args, argv),
         "hf_continuous_batching": None if args.batched_only else hf_continuous_batching_note(model, prompts),
         "results": rows,
     }

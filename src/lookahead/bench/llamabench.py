@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -34,7 +33,7 @@ import numpy as np
 from ..engine import LookaheadEngine
 from ..models import load_model
 from .datasets import Prompt, load_prompts
-from .report import environment, markdown_table
+from .report import markdown_table, run_record
 
 SETS = ["code-edit", "humaneval", "gsm8k", "mtbench", "creative"]
 REFERENCE = "llama.cpp plain"
@@ -249,9 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         for engine in engines:
             engine.model.close()
     result = {
-        "command": "python -m lookahead.bench.llamabench " + shlex.join(sys.argv[1:] if argv is None else argv),
-        "environment": environment(),
-        "settings": vars(args),
+        **run_record("lookahead.bench.llamabench", args, argv),
         "one_stream": rows,
         "batches": batch_rows,
         "divergences": divergences,

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from ..engine import LookaheadEngine
 from ..models import load_model
 from .datasets import doc_prompts
 from .longdocs import doc_question, documentation
-from .report import add_model_options, environment, markdown_table
+from .report import add_model_options, markdown_table, run_record
 
 LENGTHS = (512, 1024, 2048, 4096, 8192)
 INDEX_LENGTHS = (1024, 4096, 32768)
@@ -181,10 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     indexing = [index_cost(everything[:n]) for n in map(int, args.index_lengths.split(","))]
     summary = summarize(rows)
     result = {
-        "command": "python -m lookahead.bench.longdoc " + " ".join(sys.argv[1:] if argv is None else argv),
-        "model": args.model or "smollm2-135m",
-        "environment": environment(),
-        "settings": vars(args),
+        **run_record("lookahead.bench.longdoc", args, argv),
         "summary": summary,
         "first_token": firsts,
         "indexing": indexing,

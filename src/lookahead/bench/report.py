@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import sys
 from collections import Counter
 from pathlib import Path
@@ -25,6 +26,17 @@ def environment() -> dict[str, str]:
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
         "torch_threads": str(torch.get_num_threads()),
         "device": "cuda: " + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
+
+
+def run_record(module: str, args: argparse.Namespace, argv: list[str] | None) -> dict:
+    """What every benchmark's result file starts with: the command that made it (to rerun as is), the model, the
+    machine and the settings."""
+    return {
+        "command": f"python -m {module} " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "model": getattr(args, "model", None) or "smollm2-135m",
+        "environment": environment(),
+        "settings": vars(args),
     }
 
 

@@ -176,6 +176,17 @@ class CostModel:
         factors = {bucket: self.factor(2**bucket, rows) for bucket in set(buckets)}
         return self._measured(width, rows, context) * np.array([factors[bucket] for bucket in buckets])
 
+    def overpriced(self, below: float, evidence: float) -> str | None:
+        """A size whose recent steps ran under `below` times its measured price, with at least `evidence` steps
+        behind the factor (in words), or None. Other load only slows a pass, so such a curve was measured while
+        something else ran: it is wrong, not the machine busy now."""
+        for (rows, bucket), (factor, seen_steps, seen) in sorted(self._factors.items()):
+            if factor < below and seen_steps * self.FORGET ** (self._steps - seen) >= evidence:
+                low, high = (1, 1) if bucket == 0 else (2 ** (bucket - 1) + 1, 2**bucket)
+                tokens = str(low) if low == high else f"{low}-{high}"
+                return f"steps of {rows} row(s) x {tokens} token(s) ran at {factor:.2f}x their measured price"
+        return None
+
     def observe(self, width: float, milliseconds: float, rows: int = 1, context: int = BASE_CONTEXT) -> None:
         """Learn from a real step of this size; a step 5x off its prediction is an outlier (a pause), ignored."""
         ratio = milliseconds / self.measured(width, rows, context)
