@@ -180,16 +180,17 @@ def test_an_untrusted_entry_is_used_as_it_is_while_the_machine_stays_busy(monkey
 
 def test_steps_well_under_their_price_on_a_quiet_machine_mark_the_cached_curves_untrusted(quiet, tmp_path):
     path = tmp_path / "costs.json"
-    names = ["one row", "two rows"]
-    path.write_text(json.dumps({name: costs._entry(LOADED, 0.0, trusted=True) for name in names}))
-    cost = costs.CheckedCost(LOADED, {2: LOADED}, None, entries=(path, names))
+    names = ["one row", "two rows", "measured again since"]
+    known = {name: costs._entry(LOADED, 0.0, trusted=True) for name in names}
+    path.write_text(json.dumps({**known, names[2]: costs._entry(QUIET, 0.0, trusted=True)}))
+    cost = costs.CheckedCost(LOADED, {2: LOADED}, None, entries=(path, {name: known[name]["ms"] for name in names}))
     for _ in range(costs.CHECK_STEPS - 1):
         cost.observe(1, 0.35 * LOADED[1])
     assert cost.doubt is None, "not before a check"
     cost.observe(1, 0.35 * LOADED[1])
     assert cost.doubt == "steps of 1 row(s) x 1 token(s) ran at 0.35x their measured price"
     known = json.loads(path.read_text())
-    assert [known[name]["trusted"] for name in names] == [False, False]
+    assert [known[name]["trusted"] for name in names] == [False, False, True], "only the entries it priced by"
     assert known["one row"]["doubt"] == cost.doubt
 
 
@@ -198,8 +199,9 @@ def test_curves_are_not_doubted_on_a_busy_machine_nor_by_dearer_steps(quiet, tmp
     """A busy machine says nothing of the curves; steps dearer than priced are what the online correction is for."""
     quiet.share_now = others
     path = tmp_path / "costs.json"
-    path.write_text(json.dumps({"one row": costs._entry(QUIET, 0.0, trusted=True)}))
-    cost = costs.CheckedCost(QUIET, None, None, entries=(path, ["one row"]))
+    entry = costs._entry(QUIET, 0.0, trusted=True)
+    path.write_text(json.dumps({"one row": entry}))
+    cost = costs.CheckedCost(QUIET, None, None, entries=(path, {"one row": entry["ms"]}))
     for _ in range(2 * costs.CHECK_STEPS):
         cost.observe(1, ratio * QUIET[1])
     assert cost.doubt is None and json.loads(path.read_text())["one row"]["trusted"]

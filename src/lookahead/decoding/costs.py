@@ -209,23 +209,23 @@ def cost_model(meter: Meter, max_batch: int = 1) -> CostModel:
         )
     path = cache_dir() / "costs.json"
     known = _read(path)
-    curves, measured = [], False
+    curves, priced, measured = [], {}, False
     quiet_now: bool | None = None  # asked once, only if an untrusted entry is there to be measured again
     for name, (widths, measure) in wanted.items():
         entry = known.get(name) if meter.key else None
         if not (_sound(entry) and entry["trusted"] is True):  # not measured yet, damaged, under load or found wrong
-            if _sound(entry) and not (quiet_now := _quiet_now() if quiet_now is None else quiet_now):
-                curves.append(_points(entry["ms"]))  # the machine is busy: no better measurement now
-                continue
-            entry = known[name] = measure_entry(measure, widths, entry)
-            measured = True
+            busy = _sound(entry) and not (quiet_now := _quiet_now() if quiet_now is None else quiet_now)
+            if not busy:  # on a busy machine the entry is used as it is: no better measurement now
+                entry = known[name] = measure_entry(measure, widths, entry)
+                measured = True
+        priced[name] = entry["ms"]
         curves.append(_points(entry["ms"]))
     if meter.key and measured:
         _write(path, known)
     single, *others = curves
     longer = dict(zip(contexts, others[: len(contexts)], strict=True))
     per_rows = dict(zip(batch_rows, others[len(contexts) :], strict=True)) if batch_rows else None
-    return CheckedCost(single, per_rows, longer, entries=(path, list(wanted)) if meter.key else None)
+    return CheckedCost(single, per_rows, longer, entries=(path, priced) if meter.key else None)
 
 
 def _quiet_now(seconds: float = QUIET_PROBE_S) -> bool:
@@ -247,9 +247,10 @@ class CheckedCost(CostModel):
     price, and a busy machine is what `scale` follows.
     """
 
-    def __init__(self, *curves, entries: tuple[Path, list[str]] | None) -> None:
+    def __init__(self, *curves, entries: tuple[Path, dict[str, dict]] | None) -> None:
         super().__init__(*curves)
         self._entries = entries
+        """The cache file and, by entry name, the points as read from it (the curves of this model)."""
         self._load = OthersLoad()
         self._since_check = 0
         self.doubt: str | None = None
@@ -271,10 +272,10 @@ class CheckedCost(CostModel):
             return
         self.doubt = doubt
         log.warning("cached cost curves look measured under load (%s): measured again at the next start", doubt)
-        path, names = self._entries
+        path, priced = self._entries
         known = _read(path)
-        for name in names:
-            if _sound(known.get(name)):
+        for name, points in priced.items():
+            if _sound(known.get(name)) and known[name]["ms"] == points:  # not measured again meanwhile
                 known[name].update(trusted=False, doubt=doubt)
         _write(path, known)
 
