@@ -2,9 +2,9 @@
 
 The most common batch use is not a stream of clients (batchbench.py) but a list: N prompts
 in, N answers out, the batch draining to its last row. For each batch size and each group
-(N prompts of one set, or of the four sets in turn), what `engine.generate_batch(group, max_batch=N)`
-is what runs: each method's batch of the group on a fresh engine (empty trie; probing and
-pricing done before any clock), the two taking turns round by round and each timed by its
+(N prompts of one set, or of the four sets in turn), the loop `engine.generate_batch(group,
+max_batch=N)` runs is run for each method on a fresh engine (empty trie; probing and pricing
+done before any clock), the two batches taking turns round by round and each timed by its
 own rounds (batchbench.run_batched: a shared machine's slow spells fall on both), which goes
 first swapped every pass; prefill and drain included. `--hf` adds the same through transformers:
 `model.generate(custom_generate=lookahead.hf.generate)` on a left-padded batch of the mixed

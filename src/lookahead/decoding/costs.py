@@ -132,9 +132,9 @@ def measure_contexts(meter: Meter, longest: int, repeats: int = REPEATS) -> dict
 def implausible(curve: Mapping[int, float]) -> list[int]:
     """Widths whose pass cost more than PLAUSIBLE times a pass of at least twice as many tokens.
 
-    On CPUs a narrow pass can cost more than a wider one (the matrix kernels change: 3 tokens
-    measured at 1.27x 6 tokens), but not half again as much as one twice as wide: such a point
-    was timed in a burst of other load.
+    On CPUs a narrow pass can cost more than a wider one (the matrix kernels change with the
+    width; BENCHMARKS.md has the curves), but not half again as much as one twice as wide: such
+    a point was timed in a burst of other load.
     """
     return [w for w in sorted(curve) if any(curve[v] * PLAUSIBLE < curve[w] for v in curve if v >= 2 * w)]
 
