@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup llama-wheel run test lint models bench bench-sampling bench-full bench-gpu bench-batch bench-batch-full bench-llama bench-longdoc bench-sharing replay replay-full trie-bench loadcheck
+.PHONY: setup llama-wheel run test lint models bench bench-passes bench-sampling bench-full bench-gpu bench-batch bench-batch-full bench-llama bench-longdoc bench-sharing replay replay-full trie-bench loadcheck
 
 setup: $(STAMP)
 
@@ -52,10 +52,12 @@ models: setup
 # Results go to benchmarks/<model>/ (JSON, table, plots); BENCHMARKS.md is rebuilt from all of them.
 BENCH_PAGE = $(BIN)/python -m lookahead.bench.report BENCHMARKS.md benchmarks/NOTES.md benchmarks/*/results.json
 
+# Methods side by side: transformers' own generate and prompt lookup, the engine's plain and lookahead decoding,
+# and two variants (a fixed tree; the model's own linear layers instead of packed ones).
 bench: setup
 	$(BIN)/lookahead bench --limit 10 --datasets humaneval,gsm8k,mtbench,code-edit,creative \
-		--methods plain,hf-prompt-lookup,lookahead --config fixed-16x8:decoding_length=16,branch_length=8,policy=fixed \
-		--out benchmarks/smollm2-135m
+		--methods plain,hf-greedy,hf-prompt-lookup,lookahead --config fixed-16x8:decoding_length=16,branch_length=8,policy=fixed \
+		--config model-linears:linears=model --out benchmarks/smollm2-135m
 	$(BENCH_PAGE)
 
 # Sampling (temperature 0.7, top-p 0.9): lookahead vs plain sampling, one seed per prompt for both.
@@ -71,6 +73,11 @@ bench-gpu: models
 		--datasets code-edit,humaneval,gsm8k,mtbench --methods plain,hf-prompt-lookup,lookahead \
 		--out benchmarks/qwen2.5-coder-0.5b-cuda-$(DTYPE)
 	$(BENCH_PAGE)
+
+# Forward passes of 1-64 tokens, the model's own linear layers against packed ones (benchmarks/passes-<model>/).
+bench-passes: models
+	$(BIN)/python -m lookahead.bench.passes --out benchmarks/passes-smollm2-135m
+	$(BIN)/python -m lookahead.bench.passes --model qwen2.5-coder-0.5b --out benchmarks/passes-qwen2.5-coder-0.5b
 
 # Drafter tuning without the model: record greedy outputs once, then replay settings in seconds.
 replay: setup

@@ -8,7 +8,7 @@ from lookahead.drafting.trie import TokenTrie
 
 def test_config_rejects_bad_settings():
     for bad in ({"decoding_length": 0}, {"branch_length": -1}, {"match_length": 0}, {"policy": "psychic"},
-                {"min_score": 1.5}, {"decoding_length": True}):  # fmt: skip
+                {"min_score": 1.5}, {"decoding_length": True}, {"linears": "fast"}):  # fmt: skip
         with pytest.raises(ValueError, match="LookaheadConfig"):
             LookaheadConfig(**bad)
 

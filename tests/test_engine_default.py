@@ -1,17 +1,18 @@
-"""Exactness on the bundled default model, real prompts from every benchmark set, warm trie."""
+"""Exactness on the bundled default model, real prompts from every benchmark set, warm trie; the linear layers
+packed (the default on CPUs where that is faster) and the model's own."""
 
 import pytest
 from conftest import BENCHMARK_SETS, PROMPTS_PER_SET, REFERENCE_TOKENS, hf_greedy
 
-from lookahead import LookaheadEngine
+from lookahead import LookaheadConfig, LookaheadEngine
 from lookahead.bench.datasets import load_prompts
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def engine(default_model):
-    return LookaheadEngine(*default_model)
+@pytest.fixture(scope="module", params=["packed", "model"])
+def engine(default_model, request):
+    return LookaheadEngine(*default_model, LookaheadConfig(linears=request.param))
 
 
 def test_real_prompts_of_every_set_equal_generate(engine, greedy_references):

@@ -13,6 +13,8 @@ DEFAULT_TRIE_HALF_LIFE = 200_000.0
 """Tokens after which an old sighting of an n-gram counts half as much as a new one (budget / 5)."""
 SEED_LIMIT = 2**64
 """Seeds are torch generator seeds, unsigned 64-bit: the library and the server accept [0, SEED_LIMIT)."""
+LINEARS = ("auto", "packed", "model")
+"""How a transformers model's linear layers run on a CPU (LookaheadConfig.linears)."""
 MAX_NGRAM_LENGTH = 256
 """Longest n-gram a trie may store. A prompt of n tokens adds up to n times this many nodes,
 so a config or a trie file must not ask for a million; the default is 36 (match 4 + branch 32)."""
@@ -42,6 +44,10 @@ class LookaheadConfig:
     """Most nodes the shared trie keeps (None: no limit); the least useful are evicted past it."""
     trie_half_life: float | None = DEFAULT_TRIE_HALF_LIFE
     """Decay of the counts that decide eviction, in tokens learned (None: plain counts)."""
+    linears: str = "auto"
+    """A float32 transformers model on a CPU: 'auto' runs its linear layers from weights packed once for oneDNN
+    where that measured faster on this machine (cached), 'packed' always, 'model' never. The packed copies
+    double the memory the linear weights take."""
 
     def __post_init__(self) -> None:
         for name in ("decoding_length", "branch_length", "match_length"):
@@ -53,6 +59,8 @@ class LookaheadConfig:
         check_ngram_length(self.ngram_length, "LookaheadConfig.match_length + branch_length (the n-gram length)")
         check_max_nodes(self.trie_max_nodes, "LookaheadConfig.trie_max_nodes")
         check_half_life(self.trie_half_life, "LookaheadConfig.trie_half_life")
+        if self.linears not in LINEARS:
+            raise ValueError(f"LookaheadConfig.linears must be one of {', '.join(LINEARS)}, got {self.linears!r}")
         if not (is_finite_number(self.min_score) and 0.0 <= self.min_score < 1.0):
             raise ValueError(f"LookaheadConfig.min_score must be in [0, 1), got {self.min_score!r}")
 

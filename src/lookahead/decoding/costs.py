@@ -207,8 +207,8 @@ def cost_model(meter: Meter, max_batch: int = 1) -> CostModel:
             BATCH_WIDTHS,
             lambda widths, rows=rows: measure_cost(meter, widths, repeats=passes, rows=rows),
         )
-    path = cache_dir() / "costs.json"
-    known = _read(path)
+    path = cache_path()
+    known = read_cache(path)
     curves, priced, measured = [], {}, False
     quiet_now: bool | None = None  # asked once, only if an untrusted entry is there to be measured again
     for name, (widths, measure) in wanted.items():
@@ -221,7 +221,7 @@ def cost_model(meter: Meter, max_batch: int = 1) -> CostModel:
         priced[name] = entry["ms"]
         curves.append(_points(entry["ms"]))
     if meter.key and measured:
-        _write(path, known)
+        write_cache(path, known)
     single, *others = curves
     longer = dict(zip(contexts, others[: len(contexts)], strict=True))
     per_rows = dict(zip(batch_rows, others[len(contexts) :], strict=True)) if batch_rows else None
@@ -273,18 +273,24 @@ class CheckedCost(CostModel):
         self.doubt = doubt
         log.warning("cached cost curves look measured under load (%s): measured again at the next start", doubt)
         path, priced = self._entries
-        known = _read(path)
+        known = read_cache(path)
         for name, points in priced.items():
             if _sound(known.get(name)) and known[name]["ms"] == points:  # not measured again meanwhile
                 known[name].update(trusted=False, doubt=doubt)
-        _write(path, known)
+        write_cache(path, known)
 
 
 def _points(curve: Mapping[str, float]) -> dict[int, float]:
     return {int(w): float(ms) for w, ms in curve.items()}
 
 
-def _read(path: Path) -> dict:
+def cache_path() -> Path:
+    """The file cost curves (and other measurements of a model on this machine) are kept in."""
+    return cache_dir() / "costs.json"
+
+
+def read_cache(path: Path) -> dict:
+    """The cost cache file's entries by name; an unreadable or foreign file reads as none."""
     try:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -292,7 +298,8 @@ def _read(path: Path) -> dict:
     return known if isinstance(known, dict) else {}
 
 
-def _write(path: Path, known: dict) -> None:
+def write_cache(path: Path, known: dict) -> None:
+    """The entries into the cost cache file, whole (written aside, then moved over it: a reader never sees half)."""
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         scratch = path.with_name(f".costs-{os.getpid()}.json")

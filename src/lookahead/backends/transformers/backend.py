@@ -13,6 +13,7 @@ from ...models import eos_ids
 from .capability import check_cached_decoding, probe_batching, probe_draft_mode
 from .costs import ModelMeter
 from .forward import ModelForward
+from .kernels import DRAFT_WIDTHS, keep_if_faster, packed_candidate
 from .verifier import ModelVerifier
 
 # Generation-config settings that change which token greedy `generate()` picks; the engine applies
@@ -47,8 +48,12 @@ class TransformersBackend:
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
         self.eos_ids = eos_ids(model.generation_config, tokenizer)
         self.forward = ModelForward(model)
+        self.forward.linears = packed = packed_candidate(self.forward, config.linears)
         check_cached_decoding(self.forward)
         self.draft_mode: DraftMode = probe_draft_mode(self.forward)
+        if packed is not None and config.linears == "auto":
+            widths = DRAFT_WIDTHS if self.draft_mode != "off" else (1,)
+            self.forward.linears = keep_if_faster(self.forward, packed, widths)
         self.verifier = ModelVerifier(self.forward, self.draft_mode, config.decoding_length)
         self._batching_lock = threading.Lock()
         self._batching_probed = False

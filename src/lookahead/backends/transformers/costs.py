@@ -24,6 +24,8 @@ class ModelMeter:
         key = f"{name}|{forward.model.dtype}|{forward.device}|threads={torch.get_num_threads()}"
         if forward.attention is not None:  # another attention function, other costs
             key += f"|attention={forward.attention}"
+        if forward.linears is not None:
+            key += "|linears=packed"
         self.key = key if name else ""
         self.batch_key = "|packed" if layout == "packed" else ""
         self.max_positions = getattr(forward.config, "max_position_embeddings", None)

@@ -16,6 +16,7 @@ from transformers import Cache, PreTrainedModel
 from ...drafting.tree import DraftTree
 from .attention import PACKED_SDPA, attention_as, grouped_attention
 from .kvcache import new_cache
+from .linears import PackedLinears, packed_as
 from .masks import block_inputs, packed_inputs
 from .slab import SlabCache
 
@@ -34,6 +35,8 @@ class ModelForward:
         self._lock = threading.Lock()
         self.attention = grouped_attention(model, self.device)
         """The attention this engine's passes use instead of the model's SDPA (decoding/attention.py), or None."""
+        self.linears: PackedLinears | None = None
+        """The packed linear layers this engine's passes use instead of the model's (linears.py), or None."""
 
     @property
     def vocab_size(self) -> int:
@@ -69,7 +72,7 @@ class ModelForward:
         kwargs[self._cache_keyword] = cache
         if last_only and self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        with self._lock, attention_as(self.model, self.attention):
+        with self._lock, attention_as(self.model, self.attention), packed_as(self.linears):
             logits = self.model(**kwargs).logits
         return logits[:, -1:] if last_only else logits
 
@@ -89,7 +92,7 @@ class ModelForward:
         kwargs[self._cache_keyword] = cache
         cache.packing = packing
         try:
-            with self._lock, attention_as(self.model, PACKED_SDPA):
+            with self._lock, attention_as(self.model, PACKED_SDPA), packed_as(self.linears):
                 logits = self.model(**kwargs, lookahead_packing=packing).logits[0]
         finally:
             cache.packing = None

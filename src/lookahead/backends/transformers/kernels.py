@@ -1,0 +1,88 @@
+"""Which linear layers the engine's passes run: the model's own, or packed ones (linears.py) where they are faster.
+
+`auto` decides by measurement, once per model and machine: whole passes of a few widths,
+the two kinds taking turns, fastest of each. The verdict is kept in the cost cache beside the
+curves (one measured while the rest of the machine was busy is not) and with the model's
+packed layers, so later engines on the same model in this process do not measure again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from ...config import LINEARS
+from ...decoding.costs import cache_path, read_cache, write_cache
+from ...decoding.load import OthersLoad
+from ...drafting.policy import BASE_CONTEXT
+from .costs import ModelMeter
+from .forward import ModelForward
+from .linears import PackedLinears, available, packed_linears
+
+DRAFT_WIDTHS = (1, 2, 4, 8)
+"""Pass widths the choice is timed at where the model verifies drafts: a plain step and the drafts a CPU sends."""
+CHOICE_REPEATS = 3
+log = logging.getLogger("lookahead.kernels")
+
+
+def packed_candidate(forward: ModelForward, setting: str) -> PackedLinears | None:
+    """The model's packed layers if `setting` (LookaheadConfig.linears) may use them and any layer packs, else None.
+
+    The engine probes the model with them (the path it will most likely run), then `keep_if_faster` decides 'auto'.
+    """
+    if setting not in LINEARS:
+        raise ValueError(f"linears must be one of {', '.join(LINEARS)}, got {setting!r}")
+    if setting == "model":
+        return None
+    if not available():
+        if setting == "packed":
+            log.warning("this torch has no oneDNN packed linear layers: the model's own are used")
+        return None
+    return packed_linears(forward.model) or None
+
+
+def keep_if_faster(forward: ModelForward, packed: PackedLinears, widths: Sequence[int]) -> PackedLinears | None:
+    """`packed` if passes of `widths` tokens measured faster with it than with the model's own layers, else None."""
+    name = f"{ModelMeter(forward).key}|linears|torch={torch.__version__}|widths={tuple(widths)}"
+    remembered = f"{name}|threads={torch.get_num_threads()}"  # an unnamed model's key does not say
+    if remembered not in packed.verdicts:
+        packed.verdicts[remembered] = _verdict(forward, packed, widths, name)
+    return packed if packed.verdicts[remembered] else None
+
+
+def _verdict(forward: ModelForward, packed: PackedLinears, widths: Sequence[int], name: str) -> bool:
+    """Whether packed passes are faster: from the cache, else measured (and cached if the machine was quiet)."""
+    named = not name.startswith("|")  # a model without a name is measured every time, as its cost curves are
+    cached = read_cache(cache_path()).get(name) if named else None
+    if isinstance(cached, dict) and isinstance(cached.get("packed"), bool):
+        return cached["packed"]
+    load = OthersLoad()
+    times = time_both(forward, packed, widths)
+    faster = sum(times["packed"].values()) < sum(times["model"].values())
+    if named and load.quiet():
+        entries = read_cache(cache_path())
+        entries[name] = {"packed": faster, "ms": times, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        write_cache(cache_path(), entries)
+    return faster
+
+
+def time_both(forward: ModelForward, packed: PackedLinears, widths: Sequence[int]) -> dict[str, dict[int, float]]:
+    """Milliseconds of the fastest of CHOICE_REPEATS passes of each width, with the model's and the packed layers."""
+    kinds = {"model": None, "packed": packed}
+    times: dict[str, dict[int, list[float]]] = {kind: {width: [] for width in widths} for kind in kinds}
+    chosen = forward.linears
+    try:
+        with ModelMeter(forward).passes(1, BASE_CONTEXT) as run:
+            for _ in range(CHOICE_REPEATS):
+                for kind, linears in kinds.items():
+                    forward.linears = linears
+                    for width in widths:
+                        clock = time.perf_counter()
+                        run(width)
+                        times[kind][width].append((time.perf_counter() - clock) * 1000)
+    finally:
+        forward.linears = chosen
+    return {kind: {width: round(min(runs), 3) for width, runs in by_width.items()} for kind, by_width in times.items()}

@@ -1,0 +1,118 @@
+"""The model's linear layers through oneDNN with their weights packed once, for the engine's passes on a CPU.
+
+torch's float32 `linear` on a CPU calls the BLAS for every product with the weight in its
+stored layout, and for a handful of rows the BLAS takes a small-matrix path that reads the
+weights slowly and costs more for 2-3 rows than for 8. oneDNN reads a weight reordered once
+into its own blocked layout (what torch's compiler does with frozen weights) at about the same
+price for 1 to 16 rows, so a draft of a few tokens costs little more than one token.
+
+The model stays as it is: the packed copies live here (they double the memory of the linear
+weights), and each layer is routed to them only within the engine's passes (`packed_as`).
+A weight changed in place or replaced after packing is packed again before its next pass.
+
+As with the model's own layers, a token's logits in a draft block may differ in the last bits
+from its one-token pass (oneDNN takes another path for a single row of some shapes, and
+attention sums a block otherwise): exactness is of tokens, held against `generate()` by the
+tests, as on every backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PackedLinear:
+    """One linear layer's weight in oneDNN's layout, with what it was packed from."""
+
+    weight: torch.Tensor
+    version: int
+    """The weight's version counter when packed (an in-place change, e.g. `load_state_dict`, raises it)."""
+    address: int
+    """Where its data was (`module.to()` or `weight.data = ...` move it without a new version)."""
+    packed: torch.Tensor
+
+    def __call__(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        weight = module.weight
+        if weight is not self.weight or weight._version != self.version or weight.data_ptr() != self.address:
+            if not _packable_weight(weight):  # moved to another dtype or device since: the layer computes itself
+                return torch.nn.functional.linear(x, weight, module.bias)
+            self.__dict__.update(vars(pack(module)))  # changed since: packed again, before it is used
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, module.bias, "none", [], "")
+
+
+class PackedLinears:
+    """Packed copies of a model's plain float32 `torch.nn.Linear` layers on the CPU."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.layers: dict[torch.nn.Linear, PackedLinear] = {
+            module: pack(module) for module in model.modules() if packable(module)
+        }
+        self.verdicts: dict[str, bool] = {}
+        """Whether packed passes measured faster, by what the measurement depends on (kernels.keep_if_faster)."""
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+
+_shared: weakref.WeakKeyDictionary[torch.nn.Module, PackedLinears] = weakref.WeakKeyDictionary()
+_sharing = threading.Lock()
+
+
+def packed_linears(model: torch.nn.Module) -> PackedLinears:
+    """The model's packed layers, one copy for every engine on it (each copy is as large as the weights)."""
+    with _sharing:
+        linears = _shared.get(model)
+        if linears is None or list(linears.layers) != [module for module in model.modules() if packable(module)]:
+            linears = _shared[model] = PackedLinears(model)  # first, or the model's layers changed since
+        return linears
+
+
+def available() -> bool:
+    """Whether this torch has oneDNN and its packed linear operators."""
+    ops = torch.ops.mkldnn
+    return torch.backends.mkldnn.is_available() and all(
+        hasattr(ops, name) for name in ("_reorder_linear_weight", "_linear_pointwise")
+    )
+
+
+def packable(module: torch.nn.Module) -> bool:
+    """A plain Linear (not a subclass: quantized and adapter layers compute otherwise) of float32 CPU weights,
+    whose `forward` is its class's (a library that replaced it, e.g. to offload weights, keeps it)."""
+    return type(module) is torch.nn.Linear and _packable_weight(module.weight) and "forward" not in vars(module)
+
+
+def _packable_weight(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.float32 and weight.device.type == "cpu"
+
+
+def pack(module: torch.nn.Linear) -> PackedLinear:
+    weight = module.weight
+    with torch.no_grad():
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        return PackedLinear(weight, weight._version, weight.data_ptr(), packed)
+
+
+@contextlib.contextmanager
+def packed_as(linears: PackedLinears | None) -> Iterator[None]:
+    """Within: each packed layer computes with its packed weight; None changes nothing."""
+    if linears is None:
+        yield
+        return
+    for module, layer in linears.layers.items():
+        module.forward = _bound(layer, module)
+    try:
+        yield
+    finally:
+        for module in linears.layers:
+            vars(module).pop("forward", None)
+
+
+def _bound(layer: PackedLinear, module: torch.nn.Linear):
+    return lambda x: layer(module, x)

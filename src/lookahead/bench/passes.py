@@ -1,0 +1,89 @@
+"""What one forward pass of each width costs: the model's own linear layers against packed ones, side by side.
+
+The engine's passes as the cost curves time them (one row after a cached context), the two kinds
+of linear layers taking turns width by width, the fastest of `--repeats` of each; every width
+also as a multiple of that kind's one-token pass (what a draft of that many tokens costs over a
+plain step).
+
+    python -m lookahead.bench.passes --contexts 128,1024 --out benchmarks/passes-smollm2-135m
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from ..backends.transformers.costs import ModelMeter
+from ..backends.transformers.forward import ModelForward
+from ..backends.transformers.linears import PackedLinears
+from ..models import load_model
+from .report import add_model_options, markdown_table, run_record
+
+WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+COLUMNS = ["context", "width", "model_ms", "packed_ms", "model_vs_1", "packed_vs_1", "packed_speedup"]
+
+
+def time_passes(forward: ModelForward, packed: PackedLinears, context: int, repeats: int) -> list[dict]:
+    """One row per width: the fastest pass of each kind, the kinds and widths taking turns."""
+    kinds = {"model": None, "packed": packed}
+    times: dict[str, dict[int, list[float]]] = {kind: {width: [] for width in WIDTHS} for kind in kinds}
+    with ModelMeter(forward).passes(1, context) as run:
+        for _ in range(repeats):
+            for width in WIDTHS:
+                for kind, linears in kinds.items():
+                    forward.linears = linears
+                    clock = time.perf_counter()
+                    run(width)
+                    times[kind][width].append((time.perf_counter() - clock) * 1000)
+    best = {kind: {width: min(runs) for width, runs in by_width.items()} for kind, by_width in times.items()}
+    return [
+        {
+            "context": context,
+            "width": width,
+            "model_ms": round(best["model"][width], 2),
+            "packed_ms": round(best["packed"][width], 2),
+            "model_vs_1": round(best["model"][width] / best["model"][1], 2),
+            "packed_vs_1": round(best["packed"][width] / best["packed"][1], 2),
+            "packed_speedup": round(best["model"][width] / best["packed"][width], 2),
+        }
+        for width in WIDTHS
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_options(parser)
+    parser.add_argument("--contexts", default="128,1024", help="cached tokens before the pass (comma-separated)")
+    parser.add_argument("--repeats", type=int, default=7, help="passes of each kind and width; the fastest counts")
+    parser.add_argument("--out", default="bench-out/passes")
+    args = parser.parse_args(argv)
+    contexts = [int(context) for context in args.contexts.split(",")]
+    if args.repeats < 1 or min(contexts) < 1:
+        parser.error("--repeats and --contexts must be at least 1")
+    torch.set_num_threads(args.threads)
+    model, _ = load_model(args.model, dtype=args.dtype, device=args.device)
+    forward = ModelForward(model)
+    packed = PackedLinears(model)
+    if not packed:
+        parser.error(f"no linear layer of this model can be packed ({args.dtype} on {args.device})")
+    rows = []
+    for context in contexts:
+        rows += time_passes(forward, packed, context, args.repeats)
+        print(markdown_table(rows[-len(WIDTHS) :], COLUMNS), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    record = {**run_record("lookahead.bench.passes", args, argv), "passes": rows}
+    (out / "passes.json").write_text(json.dumps(record, indent=1))
+    (out / "passes.md").write_text(
+        f"`{record['command']}`\n\nMilliseconds of one pass of one row, fastest of {args.repeats}; "
+        f"`*_vs_1`: against that kind's one-token pass.\n\n{markdown_table(rows, COLUMNS)}\n"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,137 @@
+"""Packed linear layers: what the model computes, re-packed when a weight changes, the model left as it was."""
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from lookahead.backends.transformers import kernels
+from lookahead.backends.transformers.forward import ModelForward
+from lookahead.backends.transformers.kernels import DRAFT_WIDTHS, keep_if_faster, packed_candidate
+from lookahead.backends.transformers.linears import PackedLinears, packable, packed_as
+from lookahead.drafting.tree import DraftTree
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="this torch has no oneDNN packed linear layers")
+
+PROMPT = [(7 * i) % 5000 + 30 for i in range(60)]
+BLOCK = [412, 1093, 77, 2048, 9, 3131]
+
+
+def _logits(forward: ModelForward, block: list[int], one_at_a_time: bool) -> torch.Tensor:
+    """Logits of `block` after PROMPT: in one chain-masked pass, or one token a pass (plain decoding)."""
+    with torch.inference_mode():
+        cache = forward.new_cache()
+        forward(cache, PROMPT, 0, last_only=True)
+        if not one_at_a_time:
+            chain = DraftTree(tokens=block[1:], parents=list(range(len(block) - 1)))
+            return forward(cache, block, len(PROMPT), chain)
+        return torch.cat([forward(cache, [token], len(PROMPT) + i) for i, token in enumerate(block)])
+
+
+def test_packed_layers_compute_what_the_model_does_and_leave_it_as_it_was(model):
+    forward = ModelForward(model)
+    with torch.inference_mode():
+        before = model(torch.tensor([PROMPT])).logits
+    own = _logits(forward, BLOCK, one_at_a_time=False)
+    forward.linears = PackedLinears(model)
+    assert len(forward.linears) == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    packed = _logits(forward, BLOCK, one_at_a_time=False)
+    torch.testing.assert_close(packed, own, rtol=0, atol=1e-3)  # rounding of another summation order, no more
+    assert torch.equal(packed.argmax(-1), own.argmax(-1))
+    assert not any("forward" in vars(module) for module in model.modules()), "routed only within the pass"
+    with torch.inference_mode():
+        assert torch.equal(model(torch.tensor([PROMPT])).logits, before)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_weight_changed_after_packing_is_packed_again():
+    model = tiny_model("llama")
+    forward = ModelForward(model)
+    forward.linears = PackedLinears(model)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)  # in place, as an optimizer step or load_state_dict does
+        layer = model.model.layers[0].mlp.down_proj
+        layer.weight = torch.nn.Parameter(layer.weight * -1.0)  # replaced
+    own = ModelForward(model)
+    torch.testing.assert_close(_tiny_logits(forward), _tiny_logits(own), rtol=0, atol=1e-4)
+    model.to(torch.float64)  # moved without a new version: each layer computes itself
+    torch.testing.assert_close(_tiny_logits(forward), _tiny_logits(own), rtol=0, atol=0)
+
+
+def _tiny_logits(forward: ModelForward) -> torch.Tensor:
+    with torch.inference_mode():
+        return forward(forward.new_cache(), [5, 9, 17, 33, 65], 0)
+
+
+def test_only_plain_float32_linear_layers_on_the_cpu_are_packed():
+    class Adapter(torch.nn.Linear):
+        pass
+
+    wrapped = torch.nn.Linear(8, 8)
+    wrapped.forward = lambda x: x  # a library's own forward (offloading, adapters) is left alone
+    assert packable(torch.nn.Linear(8, 8))
+    assert not packable(torch.nn.Linear(8, 8, dtype=torch.bfloat16))
+    assert not packable(Adapter(8, 8))
+    assert not packable(wrapped)
+    with packed_as(None):
+        pass
+
+
+def _named_tiny_llama(name: str) -> torch.nn.Module:
+    model = tiny_model("llama")
+    model.config._name_or_path = name  # a model without a name is measured every time
+    return model
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_auto_measures_once_and_keeps_its_verdict(monkeypatch, tmp_path):
+    monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
+    timed = []
+    real = kernels.time_both
+    monkeypatch.setattr(kernels, "time_both", lambda *args: timed.append(1) or real(*args))
+    model = _named_tiny_llama("tiny-llama-for-linears")
+    first = _auto(model)
+    second = _auto(model)  # another engine on the model: its packed layers remember
+    again = _auto(_named_tiny_llama("tiny-llama-for-linears"))  # a restart: the cache file
+    assert timed == [1]
+    assert (first is None) == (second is None) == (again is None)
+    forward = ModelForward(model)
+    assert packed_candidate(forward, "model") is None
+    packed = packed_candidate(forward, "packed")
+    assert len(packed) == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert packed_candidate(ModelForward(model), "auto") is packed, "engines on one model share one packed copy"
+    model.to(torch.float64)
+    assert packed_candidate(ModelForward(model), "packed") is None, "no layer of a float64 model is packed"
+    with pytest.raises(ValueError, match="linears must be one of"):
+        packed_candidate(forward, "fast")
+
+
+def _auto(model: torch.nn.Module):
+    forward = ModelForward(model)
+    return keep_if_faster(forward, packed_candidate(forward, "auto"), DRAFT_WIDTHS)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_verdict_measured_on_a_busy_machine_is_not_kept_for_the_next_start(monkeypatch, tmp_path):
+    class Busy:
+        def quiet(self) -> bool:
+            return False
+
+    monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "OthersLoad", Busy)
+    timed = []
+    real = kernels.time_both
+    monkeypatch.setattr(kernels, "time_both", lambda *args: timed.append(1) or real(*args))
+    _auto(_named_tiny_llama("tiny-llama-for-linears-busy"))
+    _auto(_named_tiny_llama("tiny-llama-for-linears-busy"))
+    assert timed == [1, 1]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_packed_passes_are_priced_by_their_own_curves():
+    from lookahead.backends.transformers.costs import ModelMeter
+
+    model = _named_tiny_llama("tiny-llama-for-linears-key")
+    forward = ModelForward(model)
+    unpacked = ModelMeter(forward).key
+    forward.linears = PackedLinears(model)
+    assert ModelMeter(forward).key == unpacked + "|linears=packed"
