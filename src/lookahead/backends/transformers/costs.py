@@ -13,6 +13,16 @@ from .kvcache import BatchCache
 from .slab import SlabCache
 
 
+def runtime_key(forward: ModelForward) -> str:
+    """What a pass's time depends on besides the linear layers (model, dtype, device, threads, attention); ''
+    for a model without a name."""
+    name = getattr(forward.config, "_name_or_path", "")
+    key = f"{name}|{forward.model.dtype}|{forward.device}|threads={torch.get_num_threads()}"
+    if forward.attention is not None:  # another attention function, other costs
+        key += f"|attention={forward.attention}"
+    return key if name else ""
+
+
 class ModelMeter:
     """Passes of one model as the engine runs them: one row, or rows of a batch in `layout`."""
 
@@ -20,13 +30,10 @@ class ModelMeter:
         self.forward = forward
         self.layout = layout
         self.tree_masks = tree_masks
-        name = getattr(forward.config, "_name_or_path", "")
-        key = f"{name}|{forward.model.dtype}|{forward.device}|threads={torch.get_num_threads()}"
-        if forward.attention is not None:  # another attention function, other costs
-            key += f"|attention={forward.attention}"
-        if forward.linears is not None:
+        key = runtime_key(forward)
+        if key and forward.linears is not None:
             key += "|linears=packed"
-        self.key = key if name else ""
+        self.key = key
         self.batch_key = "|packed" if layout == "packed" else ""
         self.max_positions = getattr(forward.config, "max_position_embeddings", None)
 

@@ -18,7 +18,7 @@ from ...config import LINEARS
 from ...decoding.costs import cache_path, read_cache, write_cache
 from ...decoding.load import OthersLoad
 from ...drafting.policy import BASE_CONTEXT
-from .costs import ModelMeter
+from .costs import ModelMeter, runtime_key
 from .forward import ModelForward
 from .linears import PackedLinears, available, packed_linears
 
@@ -46,7 +46,7 @@ def packed_candidate(forward: ModelForward, setting: str) -> PackedLinears | Non
 
 def keep_if_faster(forward: ModelForward, packed: PackedLinears, widths: Sequence[int]) -> PackedLinears | None:
     """`packed` if passes of `widths` tokens measured faster with it than with the model's own layers, else None."""
-    name = f"{ModelMeter(forward).key}|linears|torch={torch.__version__}|widths={tuple(widths)}"
+    name = f"{runtime_key(forward)}|linears|torch={torch.__version__}|widths={tuple(widths)}"
     remembered = f"{name}|threads={torch.get_num_threads()}"  # an unnamed model's key does not say
     if remembered not in packed.verdicts:
         packed.verdicts[remembered] = _verdict(forward, packed, widths, name)
