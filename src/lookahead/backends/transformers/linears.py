@@ -7,8 +7,9 @@ into its own blocked layout (what torch's compiler does with frozen weights) at 
 price for 1 to 16 rows, so a draft of a few tokens costs little more than one token.
 
 The model stays as it is: the packed copies live here (they double the memory of the linear
-weights), and each layer is routed to them only within the engine's passes (`packed_as`).
-A weight changed in place or replaced after packing is packed again before its next pass.
+weights; every engine on a model shares one copy), and each layer is routed to them only within
+the engine's passes (`packed_as`). A weight changed in place or replaced after packing is packed
+again before its next pass; one moved to another dtype or device computes as the model's layer.
 
 As with the model's own layers, a token's logits in a draft block may differ in the last bits
 from its one-token pass (oneDNN takes another path for a single row of some shapes, and
