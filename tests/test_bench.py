@@ -222,3 +222,16 @@ def test_closed_batch_benchmark_refuses_unknown_sets(capsys):
     with pytest.raises(SystemExit) as exit_:
         closed_main(["--sets", "code-edit,poetry"])
     assert exit_.value.code == 2 and "--sets" in capsys.readouterr().err
+
+
+def test_pass_time_benchmark_times_both_kinds_of_linear_layers(tmp_path):
+    from lookahead.bench import passes
+
+    assert passes.main(["--contexts", "16", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "passes.json").read_text())
+    rows = result["passes"]
+    assert [row["width"] for row in rows] == list(passes.WIDTHS)
+    assert all(row["model_ms"] > 0 and row["packed_ms"] > 0 for row in rows)
+    assert rows[0]["model_vs_1"] == rows[0]["packed_vs_1"] == 1.0
+    assert result["command"].startswith("python -m lookahead.bench.passes")
+    assert "| context | width |" in (tmp_path / "passes.md").read_text()

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
 
-from ..backends.transformers.costs import ModelMeter
 from ..backends.transformers.forward import ModelForward
+from ..backends.transformers.kernels import time_both
 from ..backends.transformers.linears import PackedLinears
 from ..models import load_model
 from .report import add_model_options, markdown_table, run_record
@@ -27,28 +26,19 @@ WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 COLUMNS = ["context", "width", "model_ms", "packed_ms", "model_vs_1", "packed_vs_1", "packed_speedup"]
 
 
-def time_passes(forward: ModelForward, packed: PackedLinears, context: int, repeats: int) -> list[dict]:
-    """One row per width: the fastest pass of each kind, the kinds and widths taking turns."""
-    kinds = {"model": None, "packed": packed}
-    times: dict[str, dict[int, list[float]]] = {kind: {width: [] for width in WIDTHS} for kind in kinds}
-    with ModelMeter(forward).passes(1, context) as run:
-        for _ in range(repeats):
-            for width in WIDTHS:
-                for kind, linears in kinds.items():
-                    forward.linears = linears
-                    clock = time.perf_counter()
-                    run(width)
-                    times[kind][width].append((time.perf_counter() - clock) * 1000)
-    best = {kind: {width: min(runs) for width, runs in by_width.items()} for kind, by_width in times.items()}
+def pass_rows(forward: ModelForward, packed: PackedLinears, context: int, repeats: int) -> list[dict]:
+    """One row per width: the fastest pass of each kind, and each as a multiple of that kind's one-token pass."""
+    best = time_both(forward, packed, WIDTHS, context, repeats)
+    model, fast = best["model"], best["packed"]
     return [
         {
             "context": context,
             "width": width,
-            "model_ms": round(best["model"][width], 2),
-            "packed_ms": round(best["packed"][width], 2),
-            "model_vs_1": round(best["model"][width] / best["model"][1], 2),
-            "packed_vs_1": round(best["packed"][width] / best["packed"][1], 2),
-            "packed_speedup": round(best["model"][width] / best["packed"][width], 2),
+            "model_ms": round(model[width], 2),
+            "packed_ms": round(fast[width], 2),
+            "model_vs_1": round(model[width] / model[1], 2),
+            "packed_vs_1": round(fast[width] / fast[1], 2),
+            "packed_speedup": round(model[width] / fast[width], 2),
         }
         for width in WIDTHS
     ]
@@ -72,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no linear layer of this model can be packed ({args.dtype} on {args.device})")
     rows = []
     for context in contexts:
-        rows += time_passes(forward, packed, context, args.repeats)
+        rows += pass_rows(forward, packed, context, args.repeats)
         print(markdown_table(rows[-len(WIDTHS) :], COLUMNS), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -69,17 +69,24 @@ def _verdict(forward: ModelForward, packed: PackedLinears, widths: Sequence[int]
     return faster
 
 
-def time_both(forward: ModelForward, packed: PackedLinears, widths: Sequence[int]) -> dict[str, dict[int, float]]:
-    """Milliseconds of the fastest of CHOICE_REPEATS passes of each width, with the model's and the packed layers."""
+def time_both(
+    forward: ModelForward,
+    packed: PackedLinears,
+    widths: Sequence[int],
+    context: int = BASE_CONTEXT,
+    repeats: int = CHOICE_REPEATS,
+) -> dict[str, dict[int, float]]:
+    """Milliseconds of the fastest of `repeats` one-row passes of each width after `context` cached tokens, with
+    the model's layers ("model") and the packed ones ("packed"): widths and kinds taking turns, pass by pass."""
     kinds = {"model": None, "packed": packed}
     times: dict[str, dict[int, list[float]]] = {kind: {width: [] for width in widths} for kind in kinds}
     chosen = forward.linears
     try:
-        with ModelMeter(forward).passes(1, BASE_CONTEXT) as run:
-            for _ in range(CHOICE_REPEATS):
-                for kind, linears in kinds.items():
-                    forward.linears = linears
-                    for width in widths:
+        with ModelMeter(forward).passes(1, context) as run:
+            for _ in range(repeats):
+                for width in widths:
+                    for kind, linears in kinds.items():
+                        forward.linears = linears
                         clock = time.perf_counter()
                         run(width)
                         times[kind][width].append((time.perf_counter() - clock) * 1000)
