@@ -99,6 +99,8 @@ def test_auto_measures_once_and_keeps_its_verdict(monkeypatch, tmp_path):
     packed = packed_candidate(forward, "packed")
     assert len(packed) == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert packed_candidate(ModelForward(model), "auto") is packed, "engines on one model share one packed copy"
+    with packed_as(packed):  # another engine starting while this one's pass runs
+        assert packed_candidate(ModelForward(model), "auto") is packed
     model.to(torch.float64)
     assert packed_candidate(ModelForward(model), "packed") is None, "no layer of a float64 model is packed"
     with pytest.raises(ValueError, match="linears must be one of"):

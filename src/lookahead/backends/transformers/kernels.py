@@ -46,23 +46,25 @@ def packed_candidate(forward: ModelForward, setting: str) -> PackedLinears | Non
 
 def keep_if_faster(forward: ModelForward, packed: PackedLinears, widths: Sequence[int]) -> PackedLinears | None:
     """`packed` if passes of `widths` tokens measured faster with it than with the model's own layers, else None."""
-    name = f"{runtime_key(forward)}|linears|torch={torch.__version__}|widths={tuple(widths)}"
-    remembered = f"{name}|threads={torch.get_num_threads()}"  # an unnamed model's key does not say
+    key = runtime_key(forward)  # '' for a model without a name: measured every start, as its cost curves are
+    name = f"{key}|linears|torch={torch.__version__}|widths={tuple(widths)}" if key else None
+    # in this process, with the threads said even where the key is empty
+    remembered = f"{key}|threads={torch.get_num_threads()}|widths={tuple(widths)}"
     if remembered not in packed.verdicts:
         packed.verdicts[remembered] = _verdict(forward, packed, widths, name)
     return packed if packed.verdicts[remembered] else None
 
 
-def _verdict(forward: ModelForward, packed: PackedLinears, widths: Sequence[int], name: str) -> bool:
-    """Whether packed passes are faster: from the cache, else measured (and cached if the machine was quiet)."""
-    named = not name.startswith("|")  # a model without a name is measured every time, as its cost curves are
-    cached = read_cache(cache_path()).get(name) if named else None
+def _verdict(forward: ModelForward, packed: PackedLinears, widths: Sequence[int], name: str | None) -> bool:
+    """Whether packed passes are faster: from the cache entry `name`, else measured (and kept there if the machine
+    was quiet; None: not kept)."""
+    cached = read_cache(cache_path()).get(name) if name else None
     if isinstance(cached, dict) and isinstance(cached.get("packed"), bool):
         return cached["packed"]
     load = OthersLoad()
     times = time_both(forward, packed, widths)
     faster = sum(times["packed"].values()) < sum(times["model"].values())
-    if named and load.quiet():
+    if name and load.quiet():
         entries = read_cache(cache_path())
         entries[name] = {"packed": faster, "ms": times, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         write_cache(cache_path(), entries)

@@ -20,6 +20,7 @@ tests, as on every backend.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from collections.abc import Iterator
@@ -55,6 +56,8 @@ class PackedLinears:
         self.layers: dict[torch.nn.Linear, PackedLinear] = {
             module: pack(module) for module in model.modules() if packable(module)
         }
+        self.forwards = {module: functools.partial(layer, module) for module, layer in self.layers.items()}
+        """What each layer's `forward` is within the engine's passes (made once, not every pass)."""
         self.verdicts: dict[str, bool] = {}
         """Whether packed passes measured faster, by what the measurement depends on (kernels.keep_if_faster)."""
 
@@ -86,7 +89,9 @@ def available() -> bool:
 def packable(module: torch.nn.Module) -> bool:
     """A plain Linear (not a subclass: quantized and adapter layers compute otherwise) of float32 CPU weights,
     whose `forward` is its class's (a library that replaced it, e.g. to offload weights, keeps it)."""
-    return type(module) is torch.nn.Linear and _packable_weight(module.weight) and "forward" not in vars(module)
+    own = vars(module).get("forward")
+    routed = own is None or (isinstance(own, functools.partial) and isinstance(own.func, PackedLinear))  # ours
+    return type(module) is torch.nn.Linear and _packable_weight(module.weight) and routed
 
 
 def _packable_weight(weight: torch.Tensor) -> bool:
@@ -106,14 +111,10 @@ def packed_as(linears: PackedLinears | None) -> Iterator[None]:
     if linears is None:
         yield
         return
-    for module, layer in linears.layers.items():
-        module.forward = _bound(layer, module)
+    for module, forward in linears.forwards.items():
+        module.forward = forward
     try:
         yield
     finally:
         for module in linears.layers:
             vars(module).pop("forward", None)
-
-
-def _bound(layer: PackedLinear, module: torch.nn.Linear):
-    return lambda x: layer(module, x)
