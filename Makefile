@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup llama-wheel run test lint models bench bench-passes bench-sampling bench-full bench-gpu bench-batch bench-batch-full bench-llama bench-longdoc bench-sharing replay replay-full trie-bench loadcheck
+.PHONY: setup llama-wheel run test lint models bench bench-passes bench-sampling bench-full bench-gpu bench-batch bench-batch-full bench-llama bench-recycled bench-longdoc bench-sharing replay replay-full trie-bench loadcheck
 
 setup: $(STAMP)
 
@@ -57,7 +57,7 @@ BENCH_PAGE = $(BIN)/python -m lookahead.bench.report BENCHMARKS.md benchmarks/NO
 bench: setup
 	$(BIN)/lookahead bench --limit 10 --datasets humaneval,gsm8k,mtbench,code-edit,creative \
 		--methods plain,hf-greedy,hf-prompt-lookup,lookahead --config fixed-16x8:decoding_length=16,branch_length=8,policy=fixed \
-		--config model-linears:linears=model --out benchmarks/smollm2-135m
+		--config model-linears:linears=model --config recycled:recycled=8 --out benchmarks/smollm2-135m
 	$(BENCH_PAGE)
 
 # Sampling (temperature 0.7, top-p 0.9): lookahead vs plain sampling, one seed per prompt for both.
@@ -106,6 +106,13 @@ bench-batch-full: models
 # one stream and closed batches of 8, beside the transformers backend (about 40 minutes on 2 cores).
 bench-llama: setup
 	$(BIN)/python -m lookahead.bench.llamabench --transformers --out benchmarks/llama-smollm2-135m
+
+# Recycled drafts (the model's own likeliest next tokens, LookaheadConfig.recycled) against the default, on both backends.
+bench-recycled: setup
+	$(BIN)/lookahead bench --limit 10 --datasets humaneval,gsm8k,mtbench,code-edit,creative --methods plain,lookahead \
+		--config recycled:recycled=8 --out benchmarks/recycled-smollm2-135m
+	$(BIN)/lookahead bench --backend llama.cpp --dtype float32 --limit 6 --datasets humaneval,gsm8k,mtbench,code-edit,creative \
+		--methods plain,lookahead --config recycled:recycled=8 --out benchmarks/recycled-llama-smollm2-135m-f32
 
 # Documentation questions of 0.5k-8k tokens, fresh and warm engine, lookahead vs plain: benchmarks/longdoc-<model>/.
 bench-longdoc: setup

@@ -23,7 +23,7 @@ def _prompts(count: int, seed: int = 1) -> list[list[int]]:
 
 
 def _engine(family: str, tokenizer, **settings) -> LookaheadEngine:
-    config = LookaheadConfig(decoding_length=8, branch_length=4, policy="fixed")
+    config = LookaheadConfig(decoding_length=8, branch_length=4, policy="fixed", recycled=8)  # every kind of draft
     return LookaheadEngine(tiny_model(family, **settings), tokenizer, config)
 
 

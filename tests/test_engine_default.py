@@ -1,18 +1,23 @@
 """Exactness on the bundled default model, real prompts from every benchmark set, warm trie; the linear layers
-packed (the default on CPUs where that is faster) and the model's own."""
+packed (the default on CPUs where that is faster) and the model's own; drafts recycled from the model's top tokens."""
 
 import pytest
 from conftest import BENCHMARK_SETS, PROMPTS_PER_SET, REFERENCE_TOKENS, hf_greedy
 
 from lookahead import LookaheadConfig, LookaheadEngine
 from lookahead.bench.datasets import load_prompts
+from lookahead.drafting.policy import Calibration
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", params=["packed", "model"])
+VARIANTS = {"packed": LookaheadConfig(linears="packed"), "model": LookaheadConfig(linears="model"),
+            "recycled": LookaheadConfig(recycled=8)}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
 def engine(default_model, request):
-    return LookaheadEngine(*default_model, LookaheadConfig(linears=request.param))
+    return LookaheadEngine(*default_model, VARIANTS[request.param])
 
 
 def test_real_prompts_of_every_set_equal_generate(engine, greedy_references):
@@ -31,6 +36,10 @@ def test_real_prompts_of_every_set_equal_generate(engine, greedy_references):
         accepted += out.stats.new_tokens - out.stats.steps - 1
     assert mismatches == []
     assert drafted > 0 and accepted > 0
+    if engine.config.recycled:
+        recycled_only = slice((Calibration.SOURCES - 1) * Calibration.RATIO_BINS * 2, None)
+        sent, kept = (totals[recycled_only].sum() for totals in engine.policy.calibration.observed)
+        assert sent > 0 and kept > 0, "drafts recycled from the model's own top tokens were verified, some accepted"
 
 
 def test_plain_path_equals_generate_and_leaves_the_trie_alone(engine, default_model):

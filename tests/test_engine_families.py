@@ -21,11 +21,11 @@ def _prompts(count: int) -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(12)] * 3 for _ in range(count)]
 
 
-@pytest.mark.parametrize("linears", ["packed", "model"])
+@pytest.mark.parametrize(("linears", "recycled"), [("packed", 8), ("model", 0)], ids=["packed-recycled", "model"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_exact_greedy_on_family(family, linears, tokenizer):
+def test_exact_greedy_on_family(family, linears, recycled, tokenizer):
     model = tiny_model(family)
-    config = LookaheadConfig(decoding_length=12, branch_length=6, policy="fixed", linears=linears)
+    config = LookaheadConfig(decoding_length=12, branch_length=6, policy="fixed", linears=linears, recycled=recycled)
     if EXPECTED_MODE[family] == "tree":
         engine = LookaheadEngine(model, tokenizer, config)
     else:

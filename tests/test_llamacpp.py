@@ -9,6 +9,7 @@ them, the exactness tests are skipped (the backend warns about that build).
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from importlib import metadata
 
 import pytest
@@ -69,7 +70,11 @@ def require_exact(model) -> None:
         pytest.skip("this llama-cpp-python build has llamafile's kernels: multi-token passes round differently")
 
 
-@pytest.mark.parametrize(("weights", "config"), [("q4_1", FIXED), ("f32", None)], ids=["q4_1-fixed", "f32-adaptive"])
+@pytest.mark.parametrize(
+    ("weights", "config"),
+    [("q4_1", FIXED), ("f32", LookaheadConfig(recycled=8))],
+    ids=["q4_1-fixed", "f32-adaptive-recycled"],
+)
 def test_plain_and_lookahead_equal_llama_cpp_greedy(request, prompts, weights, config):
     model, tokenizer = request.getfixturevalue(weights)
     require_exact(model)
@@ -206,7 +211,7 @@ def test_the_same_trees_get_the_same_verdicts_on_both_backends(f32, default_mode
 def test_seeded_sampling_is_the_same_with_and_without_lookahead(f32, prompts):
     model, tokenizer = f32
     require_exact(model)
-    engine = LookaheadEngine(model, tokenizer, FIXED)
+    engine = LookaheadEngine(model, tokenizer, replace(FIXED, recycled=8))
     for seed, ids in enumerate(prompts[:4]):
         options = {"do_sample": True, "temperature": 0.8, "top_p": 0.95, "seed": seed}
         fast = engine.generate(ids, TOKENS, **options)

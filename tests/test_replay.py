@@ -58,21 +58,28 @@ def recording(default_model, tmp_path_factory):
     model, tokenizer = default_model
     prompts = load_prompts(["code-edit", "gsm8k"], 2)
     path = tmp_path_factory.mktemp("replay") / "rec.jsonl"
-    record(LookaheadEngine(model, tokenizer), prompts, TOKENS, path)
+    record(LookaheadEngine(model, tokenizer, LookaheadConfig(recycled=8)), prompts, TOKENS, path)
     return prompts, path
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "config",
-    [LookaheadConfig(decoding_length=12, branch_length=6, policy="fixed"), LookaheadConfig()],
-    ids=["fixed", "adaptive"],
+    [
+        LookaheadConfig(decoding_length=12, branch_length=6, policy="fixed"),
+        LookaheadConfig(),
+        LookaheadConfig(recycled=8),
+    ],
+    ids=["fixed", "adaptive", "adaptive-recycled"],
 )
 def test_replay_equals_a_real_run(default_model, recording, config):
     model, tokenizer = default_model
     prompts, path = recording
     header, records = load_records(path)
     assert header["cost_ms"]["1"] > 0 and len(records) == 4
+    for rec in records:  # the model's likeliest tokens at every step, for recycled drafts to replay from
+        assert len(rec["following"]) == len(rec["output_ids"]) - 1
+        assert all(row[0] == token for row, token in zip(rec["following"], rec["output_ids"][1:], strict=True))
     real = LookaheadEngine(model, tokenizer, config)  # a fresh trie, like the replay's
     if real.policy.adaptive:  # the policy reacts to step times: give it the replay's curves and prices
         real.policy.cost = recorded_cost(header)

@@ -136,7 +136,8 @@ def tiny_engine():
         "llama", vocab_size=16, eos_token_id=None, bos_token_id=None, pad_token_id=None, num_hidden_layers=1
     )
     model.generation_config.eos_token_id = None
-    engine = LookaheadEngine(model, None, LookaheadConfig(decoding_length=8, branch_length=3, policy="fixed"))
+    config = LookaheadConfig(decoding_length=8, branch_length=3, policy="fixed", recycled=4)  # every kind of draft
+    engine = LookaheadEngine(model, None, config)
     assert engine.draft_mode == "tree"
     return engine
 

@@ -15,6 +15,8 @@ SEED_LIMIT = 2**64
 """Seeds are torch generator seeds, unsigned 64-bit: the library and the server accept [0, SEED_LIMIT)."""
 LINEARS = ("auto", "packed", "model")
 """How a transformers model's linear layers run on a CPU (LookaheadConfig.linears)."""
+MAX_RECYCLED = 64
+"""Most next tokens per token a config or a trie file may keep for recycled drafts (152k tokens x 64: 39 MB)."""
 MAX_NGRAM_LENGTH = 256
 """Longest n-gram a trie may store. A prompt of n tokens adds up to n times this many nodes,
 so a config or a trie file must not ask for a million; the default is 36 (match 4 + branch 32)."""
@@ -44,6 +46,10 @@ class LookaheadConfig:
     """Most nodes the shared trie keeps (None: no limit); the least useful are evicted past it."""
     trie_half_life: float | None = DEFAULT_TRIE_HALF_LIFE
     """Decay of the counts that decide eviction, in tokens learned (None: plain counts)."""
+    recycled: int = 0
+    """Recycled drafts: for every token, keep the model's `recycled` likeliest next tokens from the last pass that
+    computed them, and draft from them too (drafting/recycled.py; 8 is Token Recycling's). 0, the default: none —
+    on the CPUs measured they add tokens per step but no tokens per second (benchmarks/NOTES.md)."""
     linears: str = "auto"
     """A float32 transformers model on a CPU: 'auto' runs its linear layers from weights packed once for oneDNN
     where that measured faster on this machine (cached), 'packed' always, 'model' never. The packed copies
@@ -59,6 +65,7 @@ class LookaheadConfig:
         check_ngram_length(self.ngram_length, "LookaheadConfig.match_length + branch_length (the n-gram length)")
         check_max_nodes(self.trie_max_nodes, "LookaheadConfig.trie_max_nodes")
         check_half_life(self.trie_half_life, "LookaheadConfig.trie_half_life")
+        check_recycled(self.recycled, "LookaheadConfig.recycled")
         if self.linears not in LINEARS:
             raise ValueError(f"LookaheadConfig.linears must be one of {', '.join(LINEARS)}, got {self.linears!r}")
         if not (is_finite_number(self.min_score) and 0.0 <= self.min_score < 1.0):
@@ -102,6 +109,12 @@ def check_ngram_length(value: object, name: str = "ngram_length") -> None:
     """ValueError unless `value` is an int in [2, MAX_NGRAM_LENGTH]; shared by configs, tries and trie files."""
     if not (is_int(value) and 2 <= value <= MAX_NGRAM_LENGTH):
         raise ValueError(f"{name} must be an integer from 2 to {MAX_NGRAM_LENGTH}, got {value!r}")
+
+
+def check_recycled(value: object, name: str = "recycled") -> None:
+    """ValueError unless `value` is an int in [0, MAX_RECYCLED] (0: no recycled drafts)."""
+    if not (is_int(value) and 0 <= value <= MAX_RECYCLED):
+        raise ValueError(f"{name} must be an integer from 0 to {MAX_RECYCLED}, got {value!r}")
 
 
 def check_max_nodes(value: object, name: str = "max_nodes") -> None:

@@ -124,6 +124,9 @@ def inspect(args: argparse.Namespace) -> int:
     print(f"tokens learned  {stats['tokens_learned']}")
     print("sources         " + ", ".join(f"{name} {count}" for name, count in trie.sources().items()))
     print(f"settings        n-gram length {trie.ngram_length}, half-life {trie.half_life} tokens")
+    table = trie.recycled
+    kept = "none" if table is None else f"{stats['recycled_tokens']} tokens, their {table.k} likeliest next tokens"
+    print(f"recycled        {kept}")
     from . import load_model
 
     _, tokenizer = load_model(args.model)

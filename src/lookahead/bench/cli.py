@@ -16,7 +16,7 @@ from rich.console import Console
 from ..config import LookaheadConfig
 from ..decoding.sampling import request_options
 from .datasets import DATASETS, load_prompts
-from .replay import load_records, record, replay, summarize_replay, sweep_configs
+from .replay import RECORDED_FOLLOWING, load_records, record, replay, summarize_replay, sweep_configs
 from .report import environment, markdown_table, plot_accepted, plot_speedup, plot_sweep
 from .runner import BUILTIN_METHODS, Bench, parse_variant, summarize
 
@@ -173,7 +173,7 @@ def _record(args: argparse.Namespace, prompts, path: Path) -> None:
     model, tokenizer = load_model(
         args.model, dtype=args.dtype, device=args.device, backend=args.backend, threads=args.threads or 2
     )
-    engine = LookaheadEngine(model, tokenizer)
+    engine = LookaheadEngine(model, tokenizer, LookaheadConfig(recycled=RECORDED_FOLLOWING))
     with Progress(console=Console(stderr=True)) as progress:
         task = progress.add_task("recording plain greedy", total=len(prompts))
         record(engine, prompts, args.max_new_tokens, path, progress=lambda: progress.advance(task))

@@ -16,7 +16,9 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from ..config import LookaheadConfig
 from ..decoding.batch import decode
@@ -77,13 +79,18 @@ def oracle_choices(tree: DraftTree, output: Sequence[int], pos: int) -> list[int
 
 
 class RecordingVerifier:
-    """Verification by a recorded greedy output instead of the model: the step's other half in a replay."""
+    """Verification by a recorded greedy output instead of the model: the step's other half in a replay.
+
+    A recording that kept the model's likeliest tokens at each position (`following[i]`: at
+    the position that chose output[i + 1]) gives them with each verdict, as the model does.
+    """
 
     batched = True
 
-    def __init__(self, output: Sequence[int], branching: bool) -> None:
+    def __init__(self, output: Sequence[int], branching: bool, following: Sequence[Sequence[int]] = ()) -> None:
         self.output = output
         self.branching = branching
+        self.following = following
 
     def prefill(self, generations: Sequence[Generation], counts: Sequence[int]) -> list[int | None]:
         for generation, count in zip(generations, counts, strict=True):
@@ -94,7 +101,9 @@ class RecordingVerifier:
         verdicts = []
         for generation, tree in zip(generations, trees, strict=True):
             emitted = len(generation.tokens) - len(generation.prompt)
-            verdicts.append(Verdict(*accept_greedy(tree, oracle_choices(tree, self.output, emitted))))
+            accepted, tokens = accept_greedy(tree, oracle_choices(tree, self.output, emitted))
+            rows = self.following[emitted - 1 : emitted - 1 + len(tokens)]
+            verdicts.append(Verdict(accepted, tokens, np.array(rows, dtype=np.int32) if len(rows) else None))
         return verdicts, 0.0  # the time is the cost model's: see Priced
 
     def max_leaves(self, generation: Generation) -> int:
@@ -126,7 +135,8 @@ def replay_record(drafting: TrieDrafting, header: dict, record: dict, stats: Rep
     transcript = Transcript(lambda ids: "", header["max_new_tokens"], frozenset(header["eos_ids"]), ())
     generation = Generation(prompt, header["max_new_tokens"], transcript)
     cost = recorded_cost(header)
-    verifier = Priced(RecordingVerifier(output, header["draft_mode"] == "tree"), cost)
+    recording = RecordingVerifier(output, header["draft_mode"] == "tree", record.get("following", ()))
+    verifier = Priced(recording, cost)
     for _ in decode(generation, verifier, drafting):
         pass
     if transcript.tokens != output:
@@ -175,15 +185,65 @@ def sweep_configs() -> dict[str, LookaheadConfig]:
 # ---- recording --------------------------------------------------------------------------
 
 
+RECORDED_FOLLOWING = 8
+"""The model's likeliest tokens a recording keeps per step (so replays can try recycled drafts up to this width)."""
+
+
+class _Listener:
+    """A drafter that drafts nothing (so decoding is plain) and keeps the model's likeliest tokens of every step."""
+
+    def __init__(self) -> None:
+        self.following: list[list[int]] = []
+
+    def propose(self, context: Sequence[int], room: int, branching: bool) -> DraftTree:
+        return DraftTree()
+
+    def verified(self, tree: DraftTree, accepted: Sequence[int], following: Any = None) -> None:
+        if following is not None:
+            self.following.append(following[0].tolist())
+
+    def learn(self, tokens: Sequence[int]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _Listening:
+    """Drafting by one _Listener per request: plain decoding that hears every verdict."""
+
+    def __init__(self) -> None:
+        self.listener = _Listener()
+
+    def open(self, prompt: Sequence[int]) -> _Listener:
+        self.listener = _Listener()
+        return self.listener
+
+    def fit(self, trees: Sequence[DraftTree], context: int) -> list[DraftTree]:
+        return list(trees)
+
+    def observe(self, trees: Sequence[DraftTree], milliseconds: float, context: int) -> None:
+        pass
+
+
 def record(engine: LookaheadEngine, prompts: list[Prompt], max_new_tokens: int, path: Path, progress=None) -> None:
-    """Plain greedy over `prompts`, written as JSON lines after a header with the cost curve."""
+    """Plain greedy over `prompts`, written as JSON lines after a header with the cost curve.
+
+    Each record keeps, where the engine gives them (an engine made with LookaheadConfig(recycled=
+    RECORDED_FOLLOWING)), the model's likeliest tokens at every step, so that recycled drafts
+    replay as they run.
+    """
     from ..decoding.costs import measure_contexts, measure_cost, measuring_passes
 
     rows = []
     for prompt in prompts:
         ids = engine.chat_ids([{"role": "user", "content": prompt.text}])
-        out = engine.generate(ids, max_new_tokens=max_new_tokens, use_lookahead=False)
-        rows.append({"dataset": prompt.dataset, "key": prompt.key, "prompt_ids": ids, "output_ids": out.token_ids})
+        generation, listening = engine.prepare(ids, max_new_tokens), _Listening()
+        for _ in decode(generation, engine.verifier, listening):
+            pass
+        output = generation.output().token_ids
+        row = {"dataset": prompt.dataset, "key": prompt.key, "prompt_ids": ids, "output_ids": output}
+        rows.append(row | ({"following": listening.listener.following} if listening.listener.following else {}))
         if progress:
             progress()
     longest = max(len(row["prompt_ids"]) + len(row["output_ids"]) for row in rows)

@@ -129,3 +129,9 @@ class TokenChooser:
         # right=True: the first token whose cumulative mass exceeds the draw never has zero mass
         token = int(torch.searchsorted(cumulative, torch.tensor([draw], device=cumulative.device), right=True))
         return min(token, cumulative.numel() - 1)
+
+
+def likeliest(logits: torch.Tensor | np.ndarray, k: int) -> np.ndarray:
+    """The ids of each row's `k` largest logits, largest first (int32 rows; what recycled drafts learn from)."""
+    scores = torch.from_numpy(logits) if isinstance(logits, np.ndarray) else logits
+    return scores.topk(min(k, scores.shape[-1]), dim=-1).indices.to(torch.int32).numpy()

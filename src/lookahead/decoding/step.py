@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from ..drafting.drafter import Drafting
 from ..drafting.policy import CostModel, step_width
@@ -27,6 +27,9 @@ class Verdict(NamedTuple):
     """Block indices of the accepted draft nodes, from the root's child down."""
     emitted: list[int]
     """The accepted tokens, then the model's own token where the walk stopped."""
+    following: Any = None
+    """Per emitted token, the model's likeliest tokens (ids, likeliest first) at the position it was chosen at:
+    an array of len(emitted) rows, or None where the verifier gives none (what recycled drafts learn from)."""
 
 
 class Verifier(Protocol):
@@ -80,11 +83,11 @@ def step(generations: Sequence[Generation], verifier: Verifier, drafting: Drafti
     if drafting is not None:
         drafting.observe(trees, milliseconds, context)
     kept = []
-    for generation, tree, (accepted, emitted) in zip(generations, trees, verdicts, strict=True):
+    for generation, tree, (accepted, emitted, following) in zip(generations, trees, verdicts, strict=True):
         stats = generation.stats
         if generation.drafter is not None:
             clock = time.perf_counter()
-            generation.drafter.verified(tree, accepted)
+            generation.drafter.verified(tree, accepted, following)
             stats.draft_s += time.perf_counter() - clock
         stats.steps += 1
         stats.draft_tokens += len(tree)

@@ -7,6 +7,7 @@ the trie file can be used, tested and replayed without a model:
 - trie.py     TokenTrie: the shared output index plus each live request's prompt index
 - prompt_index.py  PromptIndex: one prompt and its suffix array, read as a trie of its n-grams
 - sources.py  DraftSource: what retrieval asks of each place where n-grams are kept
+- recycled.py RecycledTable: the model's likeliest next tokens after each token, from verification
 - tree.py     DraftTree: the candidate continuations of one step (tokens, parents, ratios, sources)
 - policy.py   CostModel, Calibration, DraftPolicy: which nodes are worth their cost
 - drafter.py  the Drafter protocol, and the trie drafter built from a LookaheadConfig

@@ -12,7 +12,7 @@ plugs in without touching decoding; the trie drafter is the one we ship.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..config import LookaheadConfig
 from .policy import Calibration, CostModel, DraftPolicy
@@ -30,8 +30,12 @@ class Drafter(Protocol):
         """
         ...
 
-    def verified(self, tree: DraftTree, accepted: Sequence[int]) -> None:
-        """What verification kept of the sent `tree` (block indices of the accepted nodes)."""
+    def verified(self, tree: DraftTree, accepted: Sequence[int], following: Any = None) -> None:
+        """What verification kept of the sent `tree` (block indices of the accepted nodes).
+
+        `following` (if the verifier gives it): row i holds the model's likeliest tokens, likeliest
+        first, at the i-th position the step emits from (the root, then each accepted node).
+        """
         ...
 
     def learn(self, tokens: Sequence[int]) -> None:
@@ -66,10 +70,15 @@ class TrieDrafter:
         self.policy = policy
         self.request = object()
         self.rates = policy.request_rates()
+        self._root = -1
+        """The root of the step proposed last."""
+        self._recycle: tuple[list[int], Any] = ([], None)
+        """The tokens the last verdict's positions follow, and the model's likeliest next tokens at each."""
         trie.insert(prompt, request=self.request)
 
     def propose(self, context: Sequence[int], room: int, branching: bool) -> DraftTree:
         config, policy = self.config, self.policy
+        self._root = context[-1]
         rates = policy.rates(self.rates).tolist() if policy.adaptive else None
         tree = self.trie.retrieve(
             context,
@@ -83,11 +92,19 @@ class TrieDrafter:
         )
         return tree
 
-    def verified(self, tree: DraftTree, accepted: Sequence[int]) -> None:
+    def verified(self, tree: DraftTree, accepted: Sequence[int], following: Any = None) -> None:
         self.policy.learn(tree, accepted, self.rates)
+        if following is not None:
+            self._recycle = ([self._root, *(tree.tokens[node - 1] for node in accepted)], following)
 
     def learn(self, tokens: Sequence[int]) -> None:
+        """Kept tokens into the trie, and into the recycled table what the model expected at each (none past a stop)."""
         self.trie.observe(self.request, tokens)
+        keys, following = self._recycle
+        if keys:
+            kept = min(len(tokens), len(keys))
+            self.trie.recycle(keys[:kept], following[:kept])
+            self._recycle = ([], None)
 
     def close(self) -> None:
         self.trie.finish(self.request)

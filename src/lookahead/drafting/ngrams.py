@@ -25,8 +25,9 @@ TOKEN_BITS = 24
 """Tokens are packed below the parent id in the index key, so ids must be below 2**24."""
 MAX_TOKEN = (1 << TOKEN_BITS) - 1
 
-OUTPUT, CORPUS, PROMPT = 1, 2, 4
-"""Source flags of a node: seen in a model's output, inserted from a corpus, in the request's prompt."""
+OUTPUT, CORPUS, PROMPT, RECYCLED = 1, 2, 4, 8
+"""Source flags of a node: seen in a model's output, inserted from a corpus, in the request's prompt; a draft
+node may also be RECYCLED, among the model's own likeliest next tokens (recycled.py; never a trie node's flag)."""
 SHARED_SOURCES = (OUTPUT, CORPUS, OUTPUT | CORPUS)
 """The flags a shared (saved) node can have: prompt n-grams are never shared."""
 MAX_COUNT = 1 << 53

@@ -26,7 +26,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from .ngrams import OUTPUT, PROMPT
+from .ngrams import OUTPUT, PROMPT, RECYCLED
+from .recycled import rank_of
 from .tree import DraftTree
 
 
@@ -210,8 +211,9 @@ class Calibration:
     """How often a draft node is accepted once its parent is, learned from verification.
 
     Nodes fall in cells by where their n-gram was seen (the request's prompt, earlier
-    output, a corpus), by the trie's estimate for that edge (child count / parent count, in
-    RATIO_BINS bins) and by whether they continue an accepted draft token (depth 2 or more)
+    output, a corpus; or nowhere, only recycled from the model's own top tokens), by the
+    trie's estimate for that edge (child count / parent count, in RATIO_BINS bins; a recycled
+    node's rank among the model's next tokens) and by whether they continue an accepted draft token (depth 2 or more)
     or start a draft. Replayed benchmark prompts show why all three: in the top ratio bin a
     continuation copied from the prompt was accepted 93 % of the time, one seen in earlier
     answers 78 % (and 56-99 % from one data set to another, hence the per-request rates);
@@ -225,7 +227,9 @@ class Calibration:
     """
 
     RATIO_BINS = 5
-    CELLS = 3 * RATIO_BINS * 2
+    SOURCES = 4
+    """Prompt, earlier output, corpus, recycled only."""
+    CELLS = SOURCES * RATIO_BINS * 2
     HALVE_AT = 1000.0
     """Past this many observations a cell's counts are halved: the rate follows recent traffic."""
 
@@ -239,7 +243,11 @@ class Calibration:
 
     @classmethod
     def trie_prior(cls) -> np.ndarray:
-        """Rates that trust the trie: each ratio bin's midpoint, in every cell.
+        """Rates that trust the trie: each ratio bin's midpoint, in every cell of a trie source.
+
+        A recycled node's prior is half its Zipf share (1/2 for the model's first choice, 1/4
+        for its second, …), trusting too: a lower prior (0.15 for the first choice) drafted
+        less and gained less on the recorded answers, as the cells learn within a request.
 
         Trusting is what keeps an engine exploring: a doubted prior (half the midpoint where
         drafts start) matched a fresh engine's first request better, but on the recorded
@@ -248,13 +256,18 @@ class Calibration:
         off within a few steps (RequestRates).
         """
         midpoints = (np.arange(cls.RATIO_BINS) + 0.5) / cls.RATIO_BINS
-        return np.tile(np.repeat(midpoints, 2), 3)
+        ranks = np.arange(cls.RATIO_BINS)[::-1]  # bin RATIO_BINS - 1 is rank 0
+        recycled = 0.5 / (ranks + 1)
+        return np.concatenate([np.tile(np.repeat(midpoints, 2), cls.SOURCES - 1), np.repeat(recycled, 2)])
 
     @classmethod
     def cell(cls, flags: int, ratio: float, deep: bool) -> int:
-        """The cell of a node from its trie source flags, count ratio and whether its parent is a draft node."""
+        """The cell of a node from its source flags, count ratio (or rank) and whether its parent is a draft node."""
+        top = cls.RATIO_BINS - 1
+        if flags == RECYCLED:
+            return ((cls.SOURCES - 1) * cls.RATIO_BINS + top - min(rank_of(ratio), top)) * 2 + deep
         source = 0 if flags & PROMPT else 1 if flags & OUTPUT else 2
-        return (source * cls.RATIO_BINS + min(int(ratio * cls.RATIO_BINS), cls.RATIO_BINS - 1)) * 2 + deep
+        return (source * cls.RATIO_BINS + min(int(ratio * cls.RATIO_BINS), top)) * 2 + deep
 
     @classmethod
     def cells(cls, tree: DraftTree) -> np.ndarray:

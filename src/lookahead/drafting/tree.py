@@ -20,9 +20,10 @@ class DraftTree:
     parents: list[int] = field(default_factory=list)
     """Block index of each node's parent: 0 is the root, i + 1 is draft node i."""
     ratios: list[float] = field(default_factory=list)
-    """The trie's estimate that the node follows its parent: its count over its parent's count."""
+    """The trie's estimate that the node follows its parent: its count over its parent's count (a node only
+    recycled: 1 / (its rank among the model's next tokens + 1))."""
     sources: list[int] = field(default_factory=list)
-    """Where each node's n-gram was seen: OR of the trie's source flags (prompt, output, corpus)."""
+    """Where each node came from: OR of the source flags (prompt, output, corpus; recycled from the model)."""
     chances: list[float] = field(default_factory=list)
     """The drafter's estimate that each node's path is accepted; nodes come likeliest first."""
 

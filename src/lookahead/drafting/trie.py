@@ -32,14 +32,16 @@ from ..config import (
     check_half_life,
     check_max_nodes,
     check_ngram_length,
+    check_recycled,
     is_finite_number,
     is_int,
 )
-from .ngrams import CORPUS, MAX_TOKEN, OUTPUT, NgramStore
+from .ngrams import CORPUS, MAX_TOKEN, OUTPUT, RECYCLED, NgramStore
 from .prompt_index import PromptIndex
+from .recycled import RecycledTable, rank_ratio
 from .sources import DraftSource, StoreSource
 from .tree import DraftTree
-from .triefile import TrieSettings, read_trie, tokenizer_fingerprint, write_trie
+from .triefile import RECYCLED_COLUMN, TrieSettings, read_trie, tokenizer_fingerprint, write_trie
 
 EdgeChance = Callable[[int, float, bool], float]
 """Chance a draft node is accepted once its parent is, from its source flags, count ratio and depth > 1."""
@@ -101,6 +103,85 @@ def _check_tokens(tokens: Sequence[int]) -> None:
         raise ValueError(f"token ids must be in [0, {MAX_TOKEN}]")
 
 
+class _Expansion:
+    """One best-first draft tree: the children of a node from the pooled places of its n-gram and the recycled table."""
+
+    def __init__(
+        self,
+        budget: int,
+        branching: bool,
+        chance: EdgeChance | None,
+        followers: Callable[[int], list[int]] | None,
+    ) -> None:
+        self.budget = budget
+        self.branching = branching
+        self.chance = chance
+        self.followers = followers
+        self.tree = DraftTree()
+        # heap entries: (-path chance, tie-break, token, parent block index, depth, count ratio, flags, places)
+        self.heap: list[tuple[float, int, int, int, int, float, int, list[_Place]]] = []
+        self.counter = 0
+
+    def best_first(self, start: list[_Place], root: int, max_depth: int, min_score: float) -> DraftTree:
+        tree, heap = self.tree, self.heap
+        self.push_children(start, root, 0, 1.0, 1, min_score)
+        while heap and len(tree.tokens) < self.budget:
+            neg_chance, _, token, parent, depth, ratio, flag, places = heapq.heappop(heap)
+            tree.tokens.append(token)
+            tree.parents.append(parent)
+            tree.ratios.append(ratio)
+            tree.sources.append(flag)
+            tree.chances.append(-neg_chance)
+            if depth < max_depth:
+                self.push_children(places, token, len(tree.tokens), -neg_chance, depth + 1, min_score)
+        return tree
+
+    def push_children(
+        self, places: list[_Place], token: int, parent: int, path_chance: float, depth: int, min_score: float
+    ) -> None:
+        """Queue the children of the node at block index `parent` (holding `token`), each with its path's chance."""
+        total = sum(count for _, _, count in places)
+        pooled: dict[int, list[_Place]] = {}
+        weight: dict[int, int] = {}
+        flags: dict[int, int] = {}
+        for source, handle, _ in places:
+            for child, count, flag, place in source.children(handle, SCAN_CHILDREN):
+                pooled.setdefault(child, []).append((source, place, count))
+                weight[child] = weight.get(child, 0) + count
+                flags[child] = flags.get(child, 0) | flag
+        keep = self.budget - len(self.tree.tokens) if self.branching else 1
+        deep, chance = parent > 0, self.chance
+        ratios = {child: weight[child] / total for child in heapq.nlargest(keep, weight, key=weight.__getitem__)}
+        edges = {
+            child: ratio if chance is None else chance(flags[child], ratio, deep) for child, ratio in ratios.items()
+        }
+        guesses: dict[int, float] = {}
+        for rank, child in enumerate(self.followers(token)[:keep] if self.followers else ()):
+            ratio = rank_ratio(rank)
+            edge = ratio if chance is None else chance(RECYCLED, ratio, deep)
+            if child in ratios:  # retrieval found it too: the likelier of the two estimates
+                flags[child] |= RECYCLED
+                edges[child] = max(edges[child], edge)
+            else:
+                ratios[child], flags[child], guesses[child] = ratio, RECYCLED, edge
+        # at most one child of a node is accepted: learned chances of siblings cannot add up past 1, and the
+        # model's guesses share only what retrieval leaves (a copied run keeps its chance at every depth)
+        found = sum(edges.values())
+        edges = {child: edge / max(1.0, found) for child, edge in edges.items()}
+        if guesses:
+            room = max(0.0, 1.0 - found) / max(sum(guesses.values()), 1.0 - found, 1e-12)
+            edges.update({child: guess * room for child, guess in guesses.items()})
+        if len(edges) > keep:
+            edges = dict(heapq.nlargest(keep, edges.items(), key=lambda item: item[1]))
+        for child, edge in edges.items():
+            child_chance = path_chance * edge
+            if child_chance > min_score:
+                self.counter += 1
+                entry = (-child_chance, self.counter, child, parent, depth, ratios[child], flags[child],
+                         pooled.get(child, []))  # fmt: skip
+                heapq.heappush(self.heap, entry)
+
+
 class TokenTrie:
     """The shared n-gram index of an engine, plus one private prompt index per live request.
 
@@ -121,10 +202,12 @@ class TokenTrie:
         boundary_ids: Iterable[int] = (),
         max_nodes: int | None = DEFAULT_TRIE_MAX_NODES,
         half_life: float | None = DEFAULT_TRIE_HALF_LIFE,
+        recycled: int = 0,
     ) -> None:
         check_ngram_length(ngram_length)
         check_max_nodes(max_nodes)
         check_half_life(half_life)
+        check_recycled(recycled)
         self.ngram_length = ngram_length
         self.boundary_ids = _boundary_set(boundary_ids)
         self.max_nodes = max_nodes
@@ -139,12 +222,14 @@ class TokenTrie:
         self._evicted = 0
         self._prompts: dict[Hashable, PromptIndex] = {}
         self._feeds: dict[Hashable, _Feed] = {}
+        self._recycled = RecycledTable(recycled) if recycled else None
+        """Each token's likeliest next tokens as the model last computed them (recycled.py); None: not kept."""
         self._lock = threading.RLock()
 
     @classmethod
     def from_config(cls, config: LookaheadConfig, boundary_ids: Iterable[int]) -> TokenTrie:
         """An empty trie for drafting with `config`; `boundary_ids` (end of turn) separate n-grams."""
-        return cls(config.ngram_length, boundary_ids, config.trie_max_nodes, config.trie_half_life)
+        return cls(config.ngram_length, boundary_ids, config.trie_max_nodes, config.trie_half_life, config.recycled)
 
     def __len__(self) -> int:
         """Nodes in the shared index (the prompts of live requests are not nodes).
@@ -175,6 +260,8 @@ class TokenTrie:
         """
         with self._lock:
             largest = int(np.frombuffer(self._shared.token, dtype=np.int32).max())
+            if self._recycled is not None:
+                largest = max(largest, self._recycled.largest_token())
         if largest >= size:
             raise ValueError(
                 f"{self.loaded_from or 'the trie'}: token id {largest} is outside the model's vocabulary of {size} "
@@ -223,6 +310,20 @@ class TokenTrie:
         with self._lock:
             self._learn(_Feed(self._shared, self.ngram_length, OUTPUT), tokens)
 
+    def recycle(self, keys: Sequence[int], following: Any) -> None:
+        """The model's likeliest next tokens after each of `keys` (`following[i]`, likeliest first), kept for drafting.
+
+        Nothing is kept by a trie made without a recycled table (LookaheadConfig.recycled = 0).
+        """
+        if self._recycled is not None:
+            _check_tokens(keys)
+            self._recycled.update(keys, following)
+
+    @property
+    def recycled(self) -> RecycledTable | None:
+        """The recycled table (None: this trie keeps none)."""
+        return self._recycled
+
     def _learn(self, feed: _Feed, tokens: Sequence[int]) -> None:
         weight = 1.0 if self.half_life is None else 2.0 ** (self._age / self.half_life)
         feed.push(tokens, self.boundary_ids, weight)
@@ -264,18 +365,20 @@ class TokenTrie:
         min_score: float = 0.0,
         chance: EdgeChance | None = None,
     ) -> DraftTree:
-        """Best-first draft tree below the longest matched tail of `context`.
+        """Best-first draft tree below the longest matched tail of `context`, and from the recycled table.
 
         The prompt index of `request` and the shared index are searched together: a
         candidate's ratio is its pooled count over its parent's pooled count; the product of
-        ratios along a path estimates the chance the path is accepted. Nodes are taken in
-        order of that chance, or of the product along the path of `chance(source flags,
-        count ratio, parent is a draft node)` when the caller has learned better (the
-        adaptive policy), and listed in that order with those chances, so every prefix of
-        the tree is a tree. At most `budget` nodes, `max_depth` deep; with `branching` off,
-        a single path (for models that cannot take a tree mask). The Python work done is
-        bounded by the budget times SCAN_CHILDREN per source, whatever the trie's or the
-        prompt's size (a prompt index adds one numpy pass over a wide node's occurrences).
+        ratios along a path estimates the chance the path is accepted. With a recycled table,
+        every node (the root too) also offers the model's own likeliest next tokens after its
+        token (flagged RECYCLED; ratio 1 / (rank + 1) unless retrieval found it as well). Nodes
+        are taken in order of that chance, or of the product along the path of
+        `chance(source flags, count ratio, parent is a draft node)` when the caller has learned
+        better (the adaptive policy), and listed in that order with those chances, so every
+        prefix of the tree is a tree. At most `budget` nodes, `max_depth` deep; with
+        `branching` off, a single path (for models that cannot take a tree mask). The Python
+        work done is bounded by the budget times SCAN_CHILDREN per source, whatever the trie's
+        or the prompt's size (a prompt index adds one numpy pass over a wide node's occurrences).
         """
         if budget < 1 or max_depth < 1 or not context:
             return DraftTree()
@@ -284,9 +387,11 @@ class TokenTrie:
             if request is not None and request in self._prompts:
                 sources.append(self._prompts[request])
             start = self._match(context, sources, match_length)
-            if start is None:
+            followers = None if self._recycled is None else self._recycled.followers
+            if start is None and followers is None:
                 return DraftTree()
-            return self._best_first(start, budget, max_depth, branching, min_score, chance)
+            expand = _Expansion(budget, branching, chance, followers)
+            return expand.best_first(start or [], context[-1], max_depth, min_score)
 
     @staticmethod
     def _match(context: Sequence[int], sources: list[DraftSource], match_length: int) -> list[_Place] | None:
@@ -302,59 +407,6 @@ class TokenTrie:
                 return found
         return None
 
-    @staticmethod
-    def _best_first(
-        start: list[_Place], budget: int, max_depth: int, branching: bool, min_score: float, chance: EdgeChance | None
-    ) -> DraftTree:
-        tokens: list[int] = []
-        parents: list[int] = []
-        ratios: list[float] = []
-        sources: list[int] = []
-        chances: list[float] = []
-        # heap entries: (-path chance, tie-break, token, parent block index, depth, count ratio, flags, places)
-        heap: list[tuple[float, int, int, int, int, float, int, list[_Place]]] = []
-        counter = 0
-
-        def push_children(places: list[_Place], parent: int, path_chance: float, depth: int) -> None:
-            nonlocal counter
-            total = sum(count for _, _, count in places)
-            pooled: dict[int, list[_Place]] = {}
-            weight: dict[int, int] = {}
-            flags: dict[int, int] = {}
-            for source, handle, _ in places:
-                for token, count, flag, child in source.children(handle, SCAN_CHILDREN):
-                    pooled.setdefault(token, []).append((source, child, count))
-                    weight[token] = weight.get(token, 0) + count
-                    flags[token] = flags.get(token, 0) | flag
-            keep = budget - len(tokens) if branching else 1
-            kept = heapq.nlargest(keep, weight, key=weight.__getitem__)
-            counted = [weight[token] / total for token in kept]
-            edges = (
-                counted
-                if chance is None
-                else [chance(flags[t], r, parent > 0) for t, r in zip(kept, counted, strict=True)]
-            )
-            # at most one child of a node is accepted: learned chances of siblings cannot add up past 1
-            share = 1.0 / max(1.0, sum(edges))
-            for token, ratio, edge in zip(kept, counted, edges, strict=True):
-                child_chance = path_chance * edge * share
-                if child_chance > min_score:
-                    counter += 1
-                    entry = (-child_chance, counter, token, parent, depth, ratio, flags[token], pooled[token])
-                    heapq.heappush(heap, entry)
-
-        push_children(start, 0, 1.0, 1)
-        while heap and len(tokens) < budget:
-            neg_chance, _, token, parent, depth, ratio, flag, places = heapq.heappop(heap)
-            tokens.append(token)
-            parents.append(parent)
-            ratios.append(ratio)
-            sources.append(flag)
-            chances.append(-neg_chance)
-            if depth < max_depth:
-                push_children(places, len(tokens), -neg_chance, depth + 1)
-        return DraftTree(tokens, parents, ratios, sources, chances)
-
     # ---- introspection ----------------------------------------------------------------
 
     def stats(self) -> dict[str, int | None]:
@@ -368,6 +420,7 @@ class TokenTrie:
                 "live_requests": len(self._prompts),
                 "prompt_tokens": sum(len(index) for index in self._prompts.values()),
                 "prompt_bytes": sum(index.nbytes() for index in self._prompts.values()),
+                "recycled_tokens": None if self._recycled is None else len(self._recycled),
             }
 
     def sources(self) -> dict[str, int]:
@@ -392,7 +445,7 @@ class TokenTrie:
     # ---- persistence ------------------------------------------------------------------
 
     def save(self, path: str | PathLike[str]) -> None:
-        """Write the shared index to `path` atomically (see triefile for the format)."""
+        """Write the shared index and the recycled table to `path` atomically (see triefile for the format)."""
         with self._lock:
             settings = TrieSettings(
                 ngram_length=self.ngram_length,
@@ -402,8 +455,11 @@ class TokenTrie:
                 age=self._age,
                 tokens_learned=self._learned,
                 tokenizer_id=self.tokenizer_id,
+                recycled=0 if self._recycled is None else self._recycled.k,
             )
             columns = self._shared.export()
+            if self._recycled is not None:
+                columns[RECYCLED_COLUMN] = self._recycled.rows
         write_trie(path, columns, settings)
 
     @classmethod
@@ -420,7 +476,7 @@ class TokenTrie:
         columns, settings = read_trie(path)
         budget = settings.max_nodes if max_nodes == "saved" else max_nodes
         try:
-            trie = cls(settings.ngram_length, settings.boundary_ids, budget, settings.half_life)
+            trie = cls(settings.ngram_length, settings.boundary_ids, budget, settings.half_life, settings.recycled)
             trie._restore(columns, settings)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{path}: malformed trie file ({err})") from err
@@ -444,5 +500,10 @@ class TokenTrie:
             raise ValueError(f"tokens_learned must be a whole number, not negative, got {learned!r}")
         if not (tokenizer_id is None or isinstance(tokenizer_id, str)):
             raise ValueError(f"tokenizer_id must be text or null, got {tokenizer_id!r}")
+        if RECYCLED_COLUMN in columns:
+            table = RecycledTable.from_rows(columns[RECYCLED_COLUMN])
+            if table.k != settings.recycled:
+                raise ValueError(f"its recycled table is {table.k} wide, its settings say {settings.recycled}")
+            self._recycled = table
         self._shared, self._age, self._learned, self.tokenizer_id = store, float(age), learned, tokenizer_id
         self._rescale_if_due()

@@ -31,10 +31,16 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from ..config import check_recycled
+
 MAGIC = b"LKATRIE\x00"
-VERSION = 1
+VERSION = 2
+"""Version 2 adds the recycled table (an optional 2-d column); version 1 files still load, without one."""
+READABLE_VERSIONS = (1, 2)
 _PREFIX = struct.Struct("<8sIQ32s")
 _COLUMNS = {"token": np.int32, "parent": np.int32, "count": np.int64, "weight": np.float64, "source": np.uint8}
+RECYCLED_COLUMN = "recycled"
+"""The recycled table (tokens x k, int32), present when the trie keeps one (drafting/recycled.py)."""
 MAX_PAYLOAD_BYTES = 1 << 30
 """Largest payload read: 40 million nodes of 25 bytes, forty times the default budget (and about
 8 GB once loaded). A larger file is refused from its size, before any of it is read."""
@@ -58,6 +64,8 @@ class TrieSettings:
     """Tokens learned since the decayed weights were last rescaled."""
     tokens_learned: int
     tokenizer_id: str | None
+    recycled: int = 0
+    """Next tokens kept per token in the recycled table (0: none; files of version 1 have none)."""
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -75,6 +83,8 @@ def write_trie(path: str | PathLike[str], columns: dict[str, np.ndarray], settin
     from safetensors.numpy import save
 
     arrays = {name: np.ascontiguousarray(columns[name], dtype=dtype) for name, dtype in _COLUMNS.items()}
+    if RECYCLED_COLUMN in columns:
+        arrays[RECYCLED_COLUMN] = np.ascontiguousarray(columns[RECYCLED_COLUMN], dtype=np.int32)
     payload = save(arrays, metadata={"lookahead-trie": json.dumps(asdict(settings))})
     target = Path(path)
     remove_stale_scratch(target)
@@ -180,8 +190,8 @@ def _read_payload(file: BinaryIO, path: str | PathLike[str]) -> bytes:
     if len(prefix) < _PREFIX.size or not prefix.startswith(MAGIC):
         raise ValueError(f"{path}: not a lookahead trie file (bad magic)")
     _, version, length, digest = _PREFIX.unpack(prefix)
-    if version != VERSION:
-        raise ValueError(f"{path}: trie file version {version}; this version of lookahead reads version {VERSION}")
+    if version not in READABLE_VERSIONS:
+        raise ValueError(f"{path}: trie file version {version}; this lookahead reads versions 1 to {VERSION}")
     size = os.fstat(file.fileno()).st_size - _PREFIX.size
     if size != length:
         raise ValueError(f"{path}: truncated or padded trie file ({size} payload bytes, expected {length})")
@@ -205,8 +215,9 @@ def _parse(payload: bytes) -> tuple[dict[str, np.ndarray], TrieSettings]:
         arrays = load(payload)
     except SafetensorError as err:
         raise ValueError(str(err)) from err
-    if set(arrays) != set(_COLUMNS):
-        raise ValueError(f"columns {sorted(arrays)}, expected {sorted(_COLUMNS)}")
+    expected = set(_COLUMNS) | ({RECYCLED_COLUMN} if settings.recycled else set())
+    if set(arrays) != expected:
+        raise ValueError(f"columns {sorted(arrays)}, expected {sorted(expected)}")
     for name, dtype in _COLUMNS.items():
         column = arrays[name]
         if column.dtype != dtype or column.ndim != 1:
@@ -247,8 +258,13 @@ def _json(text: str | bytes, what: str) -> Any:
 
 
 def _settings(record: Any) -> TrieSettings:
-    """The settings record, if it has exactly TrieSettings' fields (their values are TokenTrie's to check)."""
+    """The settings record, if it has TrieSettings' fields (`recycled` may be missing: version 1), and no others.
+
+    Their values are TokenTrie's to check, but for `recycled`, which says which columns to expect.
+    """
     names = {f.name for f in fields(TrieSettings)}
-    if not isinstance(record, dict) or set(record) != names:
+    if not isinstance(record, dict) or not names - {"recycled"} <= set(record) <= names:
         raise ValueError(f"the settings are not a record of exactly {', '.join(sorted(names))}")
-    return TrieSettings(**record)
+    settings = TrieSettings(**record)
+    check_recycled(settings.recycled, "recycled")
+    return settings

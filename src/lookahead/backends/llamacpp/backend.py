@@ -37,7 +37,7 @@ class LlamaCppBackend:
                 "For exact verification build it with CMAKE_ARGS=-DGGML_LLAMAFILE=OFF (see README)",
                 stacklevel=3,
             )
-        self.verifier = LlamaCppVerifier(model, config.decoding_length)
+        self.verifier = LlamaCppVerifier(model, config.decoding_length, following=config.recycled)
 
     def enable_batching(self) -> bool:
         return True

@@ -32,6 +32,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ...decoding.generation import Generation
+from ...decoding.sampling import likeliest
 from ...decoding.step import Verdict
 from ...decoding.verify import accept, node_choice
 from ...drafting.tree import DraftTree
@@ -126,11 +127,13 @@ class LlamaCppVerifier:
 
     batched = True
 
-    def __init__(self, model: LlamaCppModel, max_draft: int, branching: bool = True) -> None:
+    def __init__(self, model: LlamaCppModel, max_draft: int, branching: bool = True, following: int = 0) -> None:
         self.model = model
         self.decoder = LlamaCppDecoder(model)
         self.max_draft = max_draft
         self.branching = branching
+        self.following = following
+        """Likeliest tokens a verdict gives per emitted token for a drafting generation (Verdict.following); 0: none."""
         self._sequence: dict[Generation, int] = {}
         """Each joined generation's base sequence id (taken from the model, which every engine on it shares)."""
         self._pending: dict[Generation, int] = {}
@@ -239,7 +242,10 @@ class LlamaCppVerifier:
             for generation, tree, base, leaves, borrowed, places in plans:
                 block = [logits[outputs[place]] for place in places]  # by block index
                 accepted, emitted = accept(tree, node_choice(generation, block, generation.tokens))
-                verdicts.append(Verdict(accepted, emitted))
+                following = None
+                if self.following and generation.drafter is not None:
+                    following = likeliest(np.stack([block[node] for node in (0, *accepted)]), self.following)
+                verdicts.append(Verdict(accepted, emitted, following))
                 in_place = next((i for i, n in enumerate(accepted) if places[n] != places[0] + 1 + i), len(accepted))
                 if in_place:
                     past = len(generation.tokens) - 1

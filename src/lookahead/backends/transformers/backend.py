@@ -54,7 +54,7 @@ class TransformersBackend:
         if packed is not None and config.linears == "auto":
             widths = DRAFT_WIDTHS if self.draft_mode != "off" else (1,)
             self.forward.linears = keep_if_faster(self.forward, packed, widths)
-        self.verifier = ModelVerifier(self.forward, self.draft_mode, config.decoding_length)
+        self.verifier = ModelVerifier(self.forward, self.draft_mode, config.decoding_length, config.recycled)
         self._batching_lock = threading.Lock()
         self._batching_probed = False
 

@@ -21,6 +21,7 @@ import torch
 
 from ...decoding.backend import DraftMode
 from ...decoding.generation import Generation
+from ...decoding.sampling import likeliest
 from ...decoding.step import Verdict
 from ...decoding.verify import accept, accept_greedy, chooser_of, node_choice
 from ...drafting.tree import DraftTree
@@ -35,10 +36,14 @@ RowCache = BatchCache | SlabCache
 class ModelVerifier:
     """Prefill and verification of generations on one model."""
 
-    def __init__(self, forward: ModelForward, mode: DraftMode, max_draft: int, layout: Layout | None = None) -> None:
+    def __init__(
+        self, forward: ModelForward, mode: DraftMode, max_draft: int, following: int = 0, layout: Layout | None = None
+    ) -> None:
         self.forward = forward
         self.mode = mode
         self.max_draft = max_draft
+        self.following = following
+        """Likeliest tokens a verdict gives per emitted token for a drafting generation (Verdict.following); 0: none."""
         self.layout = layout
         """How rows of different lengths share one forward pass (capability.probe_batching); None: they do not."""
         window = getattr(forward.config, "sliding_window", None)
@@ -131,7 +136,10 @@ class ModelVerifier:
                 accepted, emitted = accept_greedy(tree, argmax[row])
             else:
                 accepted, emitted = accept(tree, node_choice(generation, logits[row], generation.tokens))
-            verdicts[id(generation)] = Verdict(accepted, emitted)
+            following = None
+            if self.following and generation.drafter is not None:
+                following = likeliest(logits[row][[0, *accepted]], self.following)
+            verdicts[id(generation)] = Verdict(accepted, emitted, following)
             kept.append([0, *accepted])
         tack = time.perf_counter()
         batch.keep(kept, max(map(len, blocks)))
