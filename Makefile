@@ -83,7 +83,7 @@ bench-passes: models
 replay: setup
 	test -f benchmarks/replay/smollm2-135m.jsonl || $(BIN)/lookahead replay --record benchmarks/replay/smollm2-135m.jsonl \
 		--datasets humaneval,gsm8k,mtbench,code-edit,creative --limit 10
-	$(BIN)/lookahead replay benchmarks/replay/smollm2-135m.jsonl --sweep --out benchmarks/replay
+	$(BIN)/lookahead replay benchmarks/replay/smollm2-135m.jsonl --sweep --config recycled:recycled=8 --out benchmarks/replay
 
 # The same sweep on the larger model (recording about 12 minutes on 2 cores).
 replay-full: models
@@ -113,6 +113,8 @@ bench-recycled: setup
 		--config recycled:recycled=8 --out benchmarks/recycled-smollm2-135m
 	$(BIN)/lookahead bench --backend llama.cpp --dtype float32 --limit 6 --datasets humaneval,gsm8k,mtbench,code-edit,creative \
 		--methods plain,lookahead --config recycled:recycled=8 --out benchmarks/recycled-llama-smollm2-135m-f32
+	$(BIN)/python -m lookahead.bench.batchbench --streams 8 --batched-only --config recycled:recycled=8 \
+		--out benchmarks/recycled-batch-smollm2-135m-8-streams
 
 # Documentation questions of 0.5k-8k tokens, fresh and warm engine, lookahead vs plain: benchmarks/longdoc-<model>/.
 bench-longdoc: setup

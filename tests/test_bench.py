@@ -127,6 +127,7 @@ def test_batch_benchmark_on_a_few_prompts(tmp_path):
         (["--sets", "humaneval,poetry"], "--sets"),
         (["--streams", "0,2"], "--streams"),
         (["--prompts", "0"], "--prompts"),
+        (["--config", "recycled:recycled=-1"], "--config"),
     ],
 )
 def test_batch_benchmark_refuses_bad_arguments(args, named, capsys):
@@ -182,14 +183,15 @@ def test_sharing_replay_lets_every_replica_draft_from_every_answer():
 
 
 @pytest.mark.slow
-def test_batch_benchmark_batched_only_compares_the_two_batches(tmp_path):
+def test_batch_benchmark_batched_only_compares_the_two_batches_and_a_variant(tmp_path):
     from lookahead.bench.batchbench import main as batch_main
 
     args = ["--sets", "code-edit", "--prompts", "2", "--prompts-per-stream", "2", "--max-new-tokens", "4",
-            "--streams", "2", "--batched-only"]  # fmt: skip
+            "--streams", "2", "--batched-only", "--config", "recycled:recycled=8"]  # fmt: skip
     assert batch_main([*args, "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "batch.json").read_text())
-    assert [row["method"] for row in result["results"]] == ["batched lookahead", "batched plain"]
+    methods = [row["method"] for row in result["results"]]
+    assert methods == ["batched lookahead", "batched plain", "batched lookahead, recycled"]
     assert all(row["exact_match"] == 1.0 and row["requests"] == 4 for row in result["results"])
     assert result["hf_continuous_batching"] is None
 

@@ -37,10 +37,12 @@ from pathlib import Path
 
 import torch
 
+from ..config import LookaheadConfig
 from ..engine import LookaheadEngine
 from ..models import eos_ids, load_model
 from .datasets import load_prompts
 from .report import add_model_options, markdown_table, run_record
+from .runner import parse_variant
 
 SETS = ["humaneval", "gsm8k", "mtbench", "code-edit", "creative"]
 SINGLE = "lookahead, single-stream engine"
@@ -217,8 +219,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--batched-only", action="store_true", help="only the two batched runs (outputs checked against plain's)"
     )
+    parser.add_argument(
+        "--config", action="append", default=[], metavar="NAME:key=value,...",
+        help="a lookahead variant, batched beside the default in every run",
+    )  # fmt: skip
     parser.add_argument("--out", default="bench-out/batch")
     args = parser.parse_args(argv)
+    try:
+        variants = dict(parse_variant(spec) for spec in args.config)
+    except ValueError as err:
+        parser.error(str(err))
     sets = [name.strip() for name in args.sets.split(",") if name.strip()]
     if unknown := sorted(set(sets) - set(SETS)):
         parser.error(f"--sets: unknown {', '.join(unknown)} (known: {', '.join(SETS)})")
@@ -230,13 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
 
-    def fresh(batching: bool = True) -> LookaheadEngine:
+    def fresh(batching: bool = True, config: LookaheadConfig | None = None) -> LookaheadEngine:
         """An engine with an empty trie: no run drafts from answers an earlier run learned.
 
         `batching`: probe batching and price batched steps (cached) before any clock runs; without,
         the engine stays the single-stream engine (one row, never a slab).
         """
-        engine = LookaheadEngine(model, tokenizer)
+        engine = LookaheadEngine(model, tokenizer, config)
         if batching:
             engine.batch(max(streams))
         return engine
@@ -266,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     for count in streams:
         some = prompts[: count_at(count)]
         engines = {"batched lookahead": (fresh(), True), "batched plain": (fresh(), False)}
+        for name, config in variants.items():
+            engines[f"batched lookahead, {name}"] = (fresh(config=config), True)
         if count == 1:  # the same prompts one at a time on an engine that never batched, in turn with the others
             engines[SINGLE] = (fresh(batching=False), True)
         runs = run_batched(engines, some, count, args.max_new_tokens)
