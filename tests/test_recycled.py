@@ -50,6 +50,11 @@ def test_table_rows_narrower_or_wider_than_k():
 
 
 def test_a_saved_table_is_checked():
+    with pytest.raises(ValueError, match="twice"):
+        RecycledTable.from_rows(np.array([[5, 5], [1, -1]], dtype=np.int32))
+    assert RecycledTable.from_rows(np.array([[5, -1, -1]], dtype=np.int32)).followers(0) == [5]
+    with pytest.raises(ValueError, match="2 tokens but 1 rows"):
+        RecycledTable(2).update([1, 2], np.array([[3, 4]]))
     with pytest.raises(ValueError, match="out of range"):
         RecycledTable.from_rows(np.array([[-2, 0]], dtype=np.int32))
     with pytest.raises(ValueError, match="array of shape"):
@@ -85,6 +90,16 @@ def test_recycled_children_join_the_trie_tree_once_with_their_tags():
     for parent in range(len(tree) + 1):  # siblings' chances never add up past their parent's
         siblings = [c for c, p in zip(tree.chances, tree.parents, strict=True) if p == parent]
         assert sum(siblings) <= ([1.0, *tree.chances][parent]) + 1e-9
+
+
+def test_a_token_offered_twice_is_one_node():
+    """By retrieval and the table, or twice by a row (a table is data: a file could hold one)."""
+    trie = TokenTrie(ngram_length=4, recycled=3)
+    trie.insert([1, 2, 3], request="r")
+    trie._recycled._rows = np.array([[-1, -1, -1], [-1, -1, -1], [3, 7, 7], [7, 7, 3]], dtype=np.int32)
+    tree = trie.retrieve([1, 2], budget=8, max_depth=2, request="r", chance=lambda flags, ratio, deep: 0.3)
+    paths = _paths(tree)
+    assert len(paths) == len(set(paths)) and {(3,), (7,), (3, 7)} <= set(paths)
 
 
 def test_guesses_share_only_what_retrieval_leaves():
@@ -139,6 +154,8 @@ def test_a_trie_file_keeps_the_table_and_old_files_load(tmp_path):
     plain.observe("a", [1, 2, 3])
     plain.save(tmp_path / "p.trie")
     assert TokenTrie.load(tmp_path / "p.trie").recycled is None
+    assert _PREFIX.unpack((tmp_path / "p.trie").read_bytes()[: _PREFIX.size])[1] == 1, "no table: readable by v1"
+    assert _PREFIX.unpack((tmp_path / "t.trie").read_bytes()[: _PREFIX.size])[1] == 2
     # a file of version 1, written before the table existed: no `recycled` setting, no column
     columns, settings = read_trie(tmp_path / "p.trie")
     old = {name: value for name, value in asdict(settings).items() if name != "recycled"}

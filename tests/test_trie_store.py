@@ -308,6 +308,22 @@ def test_engine_refuses_a_trie_of_another_tokenizer(tokenizer, tmp_path):
     assert engine.trie is empty and empty.tokenizer_id == tokenizer_fingerprint(tokenizer)
 
 
+def test_an_engine_follows_its_tries_recycled_table(tokenizer):
+    from tiny_models import tiny_model
+
+    from lookahead import LookaheadConfig, LookaheadEngine
+
+    kept = TokenTrie(recycled=4)
+    with pytest.warns(UserWarning, match="keeps recycled drafts \\(4 tokens a token\\)"):
+        engine = LookaheadEngine(tiny_model("llama"), tokenizer, LookaheadConfig(policy="fixed"), trie=kept)
+    assert engine.config.recycled == 4 and engine.verifier.following == 4
+    engine.generate([5, 6, 7, 5, 6], 6)
+    assert len(kept.recycled) > 0, "the trie's table learns from the engine's verdicts"
+    with pytest.warns(UserWarning, match="keeps no recycled drafts"):
+        engine = LookaheadEngine(tiny_model("llama"), tokenizer, LookaheadConfig(recycled=8), trie=TokenTrie())
+    assert engine.verifier.following == 0, "no top-k computed for a table that is not there"
+
+
 def test_a_sound_container_with_an_unsound_trie_is_refused(tmp_path):
     from lookahead.drafting.triefile import TrieSettings, write_trie
 

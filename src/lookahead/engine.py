@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from transformers import LogitsProcessorList, PreTrainedTokenizerBase
@@ -84,7 +86,16 @@ class LookaheadEngine:
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self.config = config = config or LookaheadConfig()
+        config = config or LookaheadConfig()
+        if trie is not None and (kept := trie.recycled.k if trie.recycled is not None else 0) != config.recycled:
+            warnings.warn(
+                f"the trie {'keeps' if kept else 'keeps no'} recycled drafts"
+                f"{f' ({kept} tokens a token)' if kept else ''}: the engine follows it, not "
+                f"LookaheadConfig.recycled={config.recycled}",
+                stacklevel=2,
+            )
+            config = replace(config, recycled=kept)
+        self.config = config
         self.backend = backend = backend_for(model, tokenizer, config)
         self.eos_ids = backend.eos_ids
         trie = trie if trie is not None else TokenTrie.from_config(config, self.eos_ids)

@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -198,7 +198,7 @@ class _Listener:
     def propose(self, context: Sequence[int], room: int, branching: bool) -> DraftTree:
         return DraftTree()
 
-    def verified(self, tree: DraftTree, accepted: Sequence[int], following: Any = None) -> None:
+    def verified(self, tree: DraftTree, accepted: Sequence[int], following: np.ndarray | None = None) -> None:
         if following is not None:
             self.following.append(following[0].tolist())
 

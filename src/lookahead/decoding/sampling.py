@@ -134,4 +134,4 @@ class TokenChooser:
 def likeliest(logits: torch.Tensor | np.ndarray, k: int) -> np.ndarray:
     """The ids of each row's `k` largest logits, largest first (int32 rows; what recycled drafts learn from)."""
     scores = torch.from_numpy(logits) if isinstance(logits, np.ndarray) else logits
-    return scores.topk(min(k, scores.shape[-1]), dim=-1).indices.to(torch.int32).numpy()
+    return scores.topk(min(k, scores.shape[-1]), dim=-1).indices.to(torch.int32).cpu().numpy()

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
+
+import numpy as np
 
 from ..drafting.drafter import Drafting
 from ..drafting.policy import CostModel, step_width
@@ -27,7 +29,7 @@ class Verdict(NamedTuple):
     """Block indices of the accepted draft nodes, from the root's child down."""
     emitted: list[int]
     """The accepted tokens, then the model's own token where the walk stopped."""
-    following: Any = None
+    following: np.ndarray | None = None
     """Per emitted token, the model's likeliest tokens (ids, likeliest first) at the position it was chosen at:
     an array of len(emitted) rows, or None where the verifier gives none (what recycled drafts learn from)."""
 

@@ -12,7 +12,9 @@ plugs in without touching decoding; the trie drafter is the one we ship.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
+
+import numpy as np
 
 from ..config import LookaheadConfig
 from .policy import Calibration, CostModel, DraftPolicy
@@ -30,7 +32,7 @@ class Drafter(Protocol):
         """
         ...
 
-    def verified(self, tree: DraftTree, accepted: Sequence[int], following: Any = None) -> None:
+    def verified(self, tree: DraftTree, accepted: Sequence[int], following: np.ndarray | None = None) -> None:
         """What verification kept of the sent `tree` (block indices of the accepted nodes).
 
         `following` (if the verifier gives it): row i holds the model's likeliest tokens, likeliest
@@ -72,7 +74,7 @@ class TrieDrafter:
         self.rates = policy.request_rates()
         self._root = -1
         """The root of the step proposed last."""
-        self._recycle: tuple[list[int], Any] = ([], None)
+        self._recycle: tuple[list[int], np.ndarray | None] = ([], None)
         """The tokens the last verdict's positions follow, and the model's likeliest next tokens at each."""
         trie.insert(prompt, request=self.request)
 
@@ -92,7 +94,7 @@ class TrieDrafter:
         )
         return tree
 
-    def verified(self, tree: DraftTree, accepted: Sequence[int], following: Any = None) -> None:
+    def verified(self, tree: DraftTree, accepted: Sequence[int], following: np.ndarray | None = None) -> None:
         self.policy.learn(tree, accepted, self.rates)
         if following is not None:
             self._recycle = ([self._root, *(tree.tokens[node - 1] for node in accepted)], following)

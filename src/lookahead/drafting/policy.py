@@ -318,7 +318,7 @@ TRIE_PRIOR = Calibration.trie_prior()
 class RequestRates:
     """One request's own acceptance rates: per cell, and one level for all its cells that reacts in a few steps.
 
-    A request's failures land in many cells (three sources by five ratio bins by depth), so
+    A request's failures land in many cells (four sources by five ratio bins by depth), so
     per-cell counts alone learn slowly that this request's drafts fail. The level is the
     request's accepted nodes over the nodes its rates expected (both fading by LEVEL_FADE a
     step, with LEVEL_WEIGHT of neutral evidence), and scales the engine's rates in every

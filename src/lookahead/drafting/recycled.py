@@ -27,6 +27,9 @@ import numpy as np
 from ..config import MAX_RECYCLED, check_recycled
 from .ngrams import MAX_TOKEN
 
+GROWTH = 8192
+"""The table grows by this many rows at a time (token ids are not known in advance: a trie has no vocabulary)."""
+
 
 def rank_ratio(rank: int) -> float:
     """The `ratios` entry of a recycled node at this rank: 1 / (rank + 1) (siblings then share like Zipf's law)."""
@@ -56,6 +59,9 @@ class RecycledTable:
             raise ValueError(f"the recycled table is a {rows.ndim}-d {rows.dtype} array of shape {rows.shape}")
         if rows.shape[0] > MAX_TOKEN + 1 or (rows < -1).any() or (rows > MAX_TOKEN).any():
             raise ValueError("the recycled table holds a token id out of range")
+        ordered = np.sort(rows, axis=1)
+        if ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any():
+            raise ValueError("a row of the recycled table names a token twice")
         return cls(int(rows.shape[1]), np.array(rows))
 
     @property
@@ -68,11 +74,14 @@ class RecycledTable:
         """Row `keys[i]` becomes `following[i]` (the model's likeliest tokens after it; the first k are kept)."""
         if not len(keys):
             return
+        if len(following) != len(keys):
+            raise ValueError(f"{len(keys)} tokens but {len(following)} rows of next tokens")
         keys_array = np.asarray(keys, dtype=np.int64)
         with self._lock:
             needed = int(keys_array.max()) + 1
-            if needed > len(self._rows):
-                grown = np.full((max(needed, 2 * len(self._rows)), self.k), -1, dtype=np.int32)
+            if needed > len(self._rows):  # in steps of GROWTH rows: a few copies, never far past the vocabulary
+                size = min(-(-needed // GROWTH) * GROWTH, MAX_TOKEN + 1)
+                grown = np.full((size, self.k), -1, dtype=np.int32)
                 grown[: len(self._rows)] = self._rows
                 self._rows = grown
             rows = np.full((len(keys_array), self.k), -1, dtype=np.int32)
@@ -82,10 +91,10 @@ class RecycledTable:
 
     def followers(self, token: int) -> list[int]:
         """The tokens seen likeliest after `token`, likeliest first (empty if it was never verified)."""
-        rows = self._rows  # replaced whole when grown: a reader never sees a half-grown table
-        if token >= len(rows):
-            return []
-        row = rows[token].tolist()
+        with self._lock:  # a row is written in place: never read half of an old row and half of a new one
+            if token >= len(self._rows):
+                return []
+            row = self._rows[token].tolist()
         return row[: row.index(-1)] if -1 in row else row
 
     def largest_token(self) -> int:

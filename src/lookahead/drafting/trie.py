@@ -10,7 +10,7 @@ concurrent requests never see each other's prompts. Drafting reads both through 
 A node's count is the number of times its n-gram was seen; child count / parent count
 estimates the chance that the child token follows, and the product along a path the chance
 that a draft path is accepted. Pure Python and numpy: no torch, no model. Every public
-method holds one lock, so threads may share a trie.
+method holds one lock (the recycled table has its own), so threads may share a trie.
 """
 
 from __future__ import annotations
@@ -112,19 +112,22 @@ class _Expansion:
         branching: bool,
         chance: EdgeChance | None,
         followers: Callable[[int], list[int]] | None,
+        min_score: float,
     ) -> None:
         self.budget = budget
         self.branching = branching
         self.chance = chance
         self.followers = followers
+        self.min_score = min_score
         self.tree = DraftTree()
         # heap entries: (-path chance, tie-break, token, parent block index, depth, count ratio, flags, places)
         self.heap: list[tuple[float, int, int, int, int, float, int, list[_Place]]] = []
         self.counter = 0
 
-    def best_first(self, start: list[_Place], root: int, max_depth: int, min_score: float) -> DraftTree:
+    def best_first(self, start: list[_Place], root: int, max_depth: int) -> DraftTree:
+        """The tree grown from `root` (whose n-gram lies at the places `start`), likeliest node first."""
         tree, heap = self.tree, self.heap
-        self.push_children(start, root, 0, 1.0, 1, min_score)
+        self.push_children(start, root, 0, 1.0, 1)
         while heap and len(tree.tokens) < self.budget:
             neg_chance, _, token, parent, depth, ratio, flag, places = heapq.heappop(heap)
             tree.tokens.append(token)
@@ -133,12 +136,10 @@ class _Expansion:
             tree.sources.append(flag)
             tree.chances.append(-neg_chance)
             if depth < max_depth:
-                self.push_children(places, token, len(tree.tokens), -neg_chance, depth + 1, min_score)
+                self.push_children(places, token, len(tree.tokens), -neg_chance, depth + 1)
         return tree
 
-    def push_children(
-        self, places: list[_Place], token: int, parent: int, path_chance: float, depth: int, min_score: float
-    ) -> None:
+    def push_children(self, places: list[_Place], token: int, parent: int, path_chance: float, depth: int) -> None:
         """Queue the children of the node at block index `parent` (holding `token`), each with its path's chance."""
         total = sum(count for _, _, count in places)
         pooled: dict[int, list[_Place]] = {}
@@ -159,15 +160,16 @@ class _Expansion:
         for rank, child in enumerate(self.followers(token)[:keep] if self.followers else ()):
             ratio = rank_ratio(rank)
             edge = ratio if chance is None else chance(RECYCLED, ratio, deep)
-            if child in ratios:  # retrieval found it too: the likelier of the two estimates
+            if child in edges:  # retrieval kept it too: the likelier of the two estimates
                 flags[child] |= RECYCLED
                 edges[child] = max(edges[child], edge)
-            else:
+            elif child not in guesses:  # the model's guess (places retrieval scanned stay, for its children)
                 ratios[child], flags[child], guesses[child] = ratio, RECYCLED, edge
         # at most one child of a node is accepted: learned chances of siblings cannot add up past 1, and the
         # model's guesses share only what retrieval leaves (a copied run keeps its chance at every depth)
         found = sum(edges.values())
-        edges = {child: edge / max(1.0, found) for child, edge in edges.items()}
+        share = 1.0 / max(1.0, found)
+        edges = {child: edge * share for child, edge in edges.items()}
         if guesses:
             room = max(0.0, 1.0 - found) / max(sum(guesses.values()), 1.0 - found, 1e-12)
             edges.update({child: guess * room for child, guess in guesses.items()})
@@ -175,7 +177,7 @@ class _Expansion:
             edges = dict(heapq.nlargest(keep, edges.items(), key=lambda item: item[1]))
         for child, edge in edges.items():
             child_chance = path_chance * edge
-            if child_chance > min_score:
+            if child_chance > self.min_score:
                 self.counter += 1
                 entry = (-child_chance, self.counter, child, parent, depth, ratios[child], flags[child],
                          pooled.get(child, []))  # fmt: skip
@@ -310,7 +312,7 @@ class TokenTrie:
         with self._lock:
             self._learn(_Feed(self._shared, self.ngram_length, OUTPUT), tokens)
 
-    def recycle(self, keys: Sequence[int], following: Any) -> None:
+    def recycle(self, keys: Sequence[int], following: np.ndarray) -> None:
         """The model's likeliest next tokens after each of `keys` (`following[i]`, likeliest first), kept for drafting.
 
         Nothing is kept by a trie made without a recycled table (LookaheadConfig.recycled = 0).
@@ -390,8 +392,8 @@ class TokenTrie:
             followers = None if self._recycled is None else self._recycled.followers
             if start is None and followers is None:
                 return DraftTree()
-            expand = _Expansion(budget, branching, chance, followers)
-            return expand.best_first(start or [], context[-1], max_depth, min_score)
+            expand = _Expansion(budget, branching, chance, followers, min_score)
+            return expand.best_first(start or [], context[-1], max_depth)
 
     @staticmethod
     def _match(context: Sequence[int], sources: list[DraftSource], match_length: int) -> list[_Place] | None:

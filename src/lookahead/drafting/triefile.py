@@ -35,7 +35,8 @@ from ..config import check_recycled
 
 MAGIC = b"LKATRIE\x00"
 VERSION = 2
-"""Version 2 adds the recycled table (an optional 2-d column); version 1 files still load, without one."""
+"""Version 2 adds the recycled table (a 2-d column); a trie without one is written as version 1, which every
+version reads."""
 READABLE_VERSIONS = (1, 2)
 _PREFIX = struct.Struct("<8sIQ32s")
 _COLUMNS = {"token": np.int32, "parent": np.int32, "count": np.int64, "weight": np.float64, "source": np.uint8}
@@ -83,15 +84,20 @@ def write_trie(path: str | PathLike[str], columns: dict[str, np.ndarray], settin
     from safetensors.numpy import save
 
     arrays = {name: np.ascontiguousarray(columns[name], dtype=dtype) for name, dtype in _COLUMNS.items()}
+    record = asdict(settings)
     if RECYCLED_COLUMN in columns:
         arrays[RECYCLED_COLUMN] = np.ascontiguousarray(columns[RECYCLED_COLUMN], dtype=np.int32)
-    payload = save(arrays, metadata={"lookahead-trie": json.dumps(asdict(settings))})
+        version = VERSION
+    else:  # what version 1 holds: readers of version 1 read it
+        del record["recycled"]
+        version = 1
+    payload = save(arrays, metadata={"lookahead-trie": json.dumps(record)})
     target = Path(path)
     remove_stale_scratch(target)
     fd, scratch = tempfile.mkstemp(prefix=f"{target.name}.{os.getpid()}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as out:
-            out.write(_PREFIX.pack(MAGIC, VERSION, len(payload), hashlib.sha256(payload).digest()))
+            out.write(_PREFIX.pack(MAGIC, version, len(payload), hashlib.sha256(payload).digest()))
             out.write(payload)
             out.flush()
             os.fsync(out.fileno())
@@ -264,7 +270,7 @@ def _settings(record: Any) -> TrieSettings:
     """
     names = {f.name for f in fields(TrieSettings)}
     if not isinstance(record, dict) or not names - {"recycled"} <= set(record) <= names:
-        raise ValueError(f"the settings are not a record of exactly {', '.join(sorted(names))}")
+        raise ValueError(f"the settings are not a record of {', '.join(sorted(names))} (recycled may be missing)")
     settings = TrieSettings(**record)
     check_recycled(settings.recycled, "recycled")
     return settings
