@@ -169,14 +169,15 @@ class _Expansion:
         # model's guesses share only what retrieval leaves (a copied run keeps its chance at every depth)
         found = sum(edges.values())
         share = 1.0 / max(1.0, found)
-        edges = {child: edge * share for child, edge in edges.items()}
-        if guesses:
+        if guesses:  # (without them, the retrieved children alone: no dict rebuilt on this path)
             room = max(0.0, 1.0 - found) / max(sum(guesses.values()), 1.0 - found, 1e-12)
+            edges = {child: edge * share for child, edge in edges.items()}
             edges.update({child: guess * room for child, guess in guesses.items()})
-        if len(edges) > keep:
-            edges = dict(heapq.nlargest(keep, edges.items(), key=lambda item: item[1]))
+            share = 1.0
+            if len(edges) > keep:
+                edges = dict(heapq.nlargest(keep, edges.items(), key=lambda item: item[1]))
         for child, edge in edges.items():
-            child_chance = path_chance * edge
+            child_chance = path_chance * edge * share
             if child_chance > self.min_score:
                 self.counter += 1
                 entry = (-child_chance, self.counter, child, parent, depth, ratios[child], flags[child],
