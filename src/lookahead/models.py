@@ -96,7 +96,7 @@ def load_model(
         return _load_llamacpp(name, dtype, device, threads)
     torch_dtype = _parse_dtype(dtype or "float32")
     if name in BUNDLED:
-        directory = _converted(name, lambda: _assemble_bundled(name))
+        directory = pretrained_directory(name)
     elif Path(name).expanduser().exists():
         path = Path(name).expanduser().resolve()
         if path.is_dir():
@@ -112,6 +112,13 @@ def load_model(
         directory = None
     model, tokenizer = _load_pretrained(directory if directory is not None else name, torch_dtype, name)
     return model.to(device).eval(), tokenizer
+
+
+def pretrained_directory(name: str = DEFAULT_MODEL) -> Path:
+    """A bundled model as a transformers directory (converted once, cached), for engines that load one (vLLM)."""
+    if name not in BUNDLED:
+        raise ValueError(f"{name}: not a bundled model ({', '.join(BUNDLED)})")
+    return _converted(name, lambda: _assemble_bundled(name))
 
 
 def _load_llamacpp(

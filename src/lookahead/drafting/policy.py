@@ -189,13 +189,15 @@ class CostModel:
         return None
 
     def observe(self, width: float, milliseconds: float, rows: int = 1, context: int = BASE_CONTEXT) -> None:
-        """Learn from a real step of this size; a step 5x off its prediction is an outlier (a pause), ignored."""
+        """Learn from a real step of this size; a step 5x off what its size's own steps ran at is an outlier (a
+        pause), ignored. A size's first step is kept whatever it cost: it is the only evidence of that size (a prior
+        can be off by far more than 5x, e.g. a flat one where wide steps are compute-bound)."""
         ratio = milliseconds / self.measured(width, rows, context)
-        if not 0.2 < ratio / self.factor(width, rows) < 5:
+        key = (rows, _bucket(width))
+        if key in self._factors and not 0.2 < ratio / self.factor(width, rows) < 5:
             return
         if width == 1:
             self.scale += 0.05 * (ratio - self.scale)
-        key = (rows, _bucket(width))
         factor, evidence, seen = self._factors.get(key, (ratio, 0.0, self._steps))
         evidence = evidence * self.FORGET ** (self._steps - seen) + 1
         self._factors[key] = (factor + (ratio - factor) * max(1 / evidence, self.LEARNING_RATE), evidence, self._steps)

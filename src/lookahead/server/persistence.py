@@ -63,6 +63,10 @@ class TrieSaver:
         self.sharing = sharing
         self._saved_at = changes()
 
+    def changed(self) -> bool:
+        """Requests have ended since the last save."""
+        return self._changes() != self._saved_at
+
     def save(self) -> bool:
         """One save; a failure is logged and counted, never raised (the last good file stays)."""
         seen = self._changes()
@@ -87,5 +91,5 @@ class TrieSaver:
             if self.sharing is not None:
                 if await asyncio.to_thread(self.sharing.is_saver):
                     await asyncio.to_thread(self.save)
-            elif self._changes() != self._saved_at:
+            elif self.changed():
                 await asyncio.to_thread(self.save)
