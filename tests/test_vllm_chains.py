@@ -6,7 +6,7 @@ import pytest
 
 from lookahead.config import LookaheadConfig
 from lookahead.drafting.drafter import TrieDrafter, TrieDrafting
-from lookahead.vllm.chains import Batch, ChainDrafting, Row
+from lookahead.vllm.chains import Batch, ChainDrafting, Row, StepTokensCost
 
 EOS = 2
 PROMPT = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
@@ -44,7 +44,8 @@ class Request:
 
     def row(self) -> Row:
         room = self.max_tokens - (len(self.tokens) - len(self.prompt))
-        return Row(self.name, self.prompt, self.tokens[-256:], len(self.tokens), self.sampled, self.verified, room)
+        tail, length = self.tokens[-256:], len(self.tokens)
+        return Row(self.name, self.prompt, tail, length, self.sampled, self.verified, room, stops=frozenset([EOS]))
 
 
 def test_a_joining_request_is_drafted_from_its_prompt() -> None:
@@ -120,6 +121,30 @@ def test_a_second_request_is_drafted_from_the_first_ones_answer() -> None:
     assert chains.propose(Batch([second.step([answer[0]])])) == [answer[1:9]]
 
 
+def test_requests_vllm_no_longer_holds_are_closed_without_a_finished_call() -> None:
+    chains = make_chains()
+    first, second = Request("a", PROMPT), Request("b", PROMPT)
+    chains.propose(Batch([first.step([12]), second.step([12])], live={"a", "b"}))
+    chains.propose(Batch([second.step([13])], live={"b"}))  # "a" ended in a step vLLM did not call us after
+    assert chains.open_requests == 1 and chains.closed == 1
+
+
+def test_a_step_vllm_ran_without_us_is_learned_and_not_priced() -> None:
+    clock = Clock()
+    chains = make_chains("adaptive", clock=clock)
+    request = Request("a", [7, 8, 9], max_tokens=100)
+    chains.propose(Batch([request.step([40])], carried={"a": 3}))
+    clock.now += 0.01
+    chains.propose(Batch([request.step([41])], carried={"a": 1}))
+    request.tokens.append(42)  # a step vLLM ran without calling the proposer (a row near the context limit)
+    clock.now += 0.05
+    chains.propose(Batch([request.step([43])], carried={"a": 1}))
+    assert chains.steady_steps == 1  # the two-step interval was not priced as one step
+    chains.propose(Batch([], finished=["a"]))
+    again = Request("b", [7, 8, 9])
+    assert chains.propose(Batch([again.step([40])]))[0][:3] == [41, 42, 43]  # 42 was learned all the same
+
+
 def test_tokens_past_a_stop_are_not_learned() -> None:
     chains = make_chains()
     first = Request("first", [7, 8, 9])
@@ -178,3 +203,13 @@ def test_steps_that_read_a_prompt_are_not_priced() -> None:
     clock.now += 5.0  # a long prefill of b ran in this step
     chains.propose(Batch([first.step([13]), joining.row()], carried={"a": 1, "b": 500}))
     assert chains.steady_steps == 0 and chains.drafting.policy.cost is None
+
+
+def test_a_price_learned_at_one_row_count_holds_at_another() -> None:
+    cost = StepTokensCost({1: 10.0, 2: 10.0})
+    for _ in range(20):
+        cost.observe(4.0, 40.0, rows=4)  # 4 rows of 4 tokens: 16 tokens in all
+    learned = cost.predict(4.0, rows=4)
+    assert learned > 30.0  # near the 40 ms seen (blended with the first price)
+    assert cost.predict(8.0, rows=2) == learned  # 2 rows of 8: the same 16 tokens, the same price
+    assert cost.predict(1.0, rows=1) == pytest.approx(10.0)  # one token: as first timed

@@ -24,7 +24,7 @@ ANSWER = [300, 301, 302, 303, 304, 305, 306, 307]
 def vllm_config(tokens: int) -> SimpleNamespace:
     directory = str(pretrained_directory())
     return SimpleNamespace(
-        model_config=SimpleNamespace(model=directory, tokenizer=directory),
+        model_config=SimpleNamespace(model=directory, tokenizer=directory, get_vocab_size=lambda: 49152),
         speculative_config=SimpleNamespace(num_speculative_tokens=tokens),
     )
 
@@ -36,7 +36,7 @@ class Runner:
         self.proposer, self.prompt, self.max_model_len = proposer, prompt, 2048
         ids = np.zeros((1, 64), dtype=np.int32)
         self.input_batch = SimpleNamespace(req_ids=["r"], num_tokens_no_spec=np.array([0]), token_ids_cpu=ids)
-        params = SimpleNamespace(max_tokens=32, extra_args=None)
+        params = SimpleNamespace(max_tokens=32, extra_args=None, ignore_eos=False, eos_token_id=2, stop_token_ids=None)
         self.requests = {"r": SimpleNamespace(prompt_token_ids=prompt, sampling_params=params)}
 
     def propose_draft_token_ids(self, scheduler_output: SimpleNamespace, sampled: list[int]) -> list[list[int]]:
@@ -57,6 +57,17 @@ def test_a_saved_trie_warm_starts_the_proposer(monkeypatch, tmp_path) -> None:
     runner = Runner(proposer, prompt=[1, 2, 3])
     step = SimpleNamespace(scheduled_spec_decode_tokens={}, finished_req_ids=set(), num_scheduled_tokens={"r": 3})
     assert runner.propose_draft_token_ids(step, [299]) == [ANSWER[:4]]  # the saved answer, 4 tokens at most
+
+
+def test_a_trie_of_another_tokenizer_is_refused(monkeypatch, tmp_path) -> None:
+    path = tmp_path / "trie.bin"
+    trie = TokenTrie.from_config(LookaheadConfig(), [2])
+    trie.learn_answer([299, *ANSWER])
+    trie.tokenizer_id = "0" * 64  # as if saved by an engine serving another model
+    trie.save(path)
+    monkeypatch.setenv(ENVIRONMENT, Settings(trie_path=str(path)).to_json())
+    with pytest.raises(ValueError, match="built with another tokenizer"):
+        LookaheadProposer(vllm_config(tokens=4))
 
 
 def test_bad_settings_stop_the_proposer_with_their_reason(monkeypatch) -> None:

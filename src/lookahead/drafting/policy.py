@@ -87,6 +87,8 @@ class CostModel:
     """Steps of evidence `scale` is worth against a size's own factor."""
     FORGET = 0.99
     """A size's evidence fades by this much for every step of another size."""
+    KEEP_FIRST = False
+    """Keep a size's first step even 5x off its prediction: for a model priced from a guess, not a measured curve."""
 
     def __init__(
         self,
@@ -189,12 +191,12 @@ class CostModel:
         return None
 
     def observe(self, width: float, milliseconds: float, rows: int = 1, context: int = BASE_CONTEXT) -> None:
-        """Learn from a real step of this size; a step 5x off what its size's own steps ran at is an outlier (a
-        pause), ignored. A size's first step is kept whatever it cost: it is the only evidence of that size (a prior
-        can be off by far more than 5x, e.g. a flat one where wide steps are compute-bound)."""
+        """Learn from a real step of this size; a step 5x off its prediction is an outlier (a pause), ignored —
+        but with KEEP_FIRST, a size's first step is kept whatever it cost (its only evidence)."""
         ratio = milliseconds / self.measured(width, rows, context)
         key = (rows, _bucket(width))
-        if key in self._factors and not 0.2 < ratio / self.factor(width, rows) < 5:
+        judged = key in self._factors or not self.KEEP_FIRST
+        if judged and not 0.2 < ratio / self.factor(width, rows) < 5:
             return
         if width == 1:
             self.scale += 0.05 * (ratio - self.scale)

@@ -62,7 +62,10 @@ class Settings:
         known = {f.name for f in fields(LookaheadConfig)}
         if not isinstance(config, dict) or not set(config) <= known:
             raise ValueError(f"{ENVIRONMENT}: config takes LookaheadConfig fields only ({', '.join(sorted(known))})")
-        return cls(LookaheadConfig(**config), record.get("trie_path"), record.get("save_every_s", 300.0))
+        path = record.get("trie_path")
+        if isinstance(path, str):
+            path = os.path.abspath(path)  # each worker resolves it alike, wherever it starts
+        return cls(LookaheadConfig(**config), path, record.get("save_every_s", 300.0))
 
     @classmethod
     def from_environment(cls) -> Settings:

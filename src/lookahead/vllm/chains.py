@@ -8,7 +8,8 @@ of all of them together (a prefix of each, possibly empty: a batch where draftin
 pay runs as plain decoding).
 
 Nothing here imports vLLM; the engine's state arrives as a `Batch` (vllm/runner.py reads it
-off vLLM's model runner). Worked example, one request, prompt [5, 6, 7, 5, 6]:
+off vLLM's model runner). Worked example, one request, prompt [5, 6, 7, 5, 6], the fixed policy
+(the adaptive one sends nothing until it has timed a plain step):
 
     call 1: Row(sampled=[7]) (the prefill's token)  → opens a drafter on the prompt, learns [7],
             drafts from [..., 6, 7]: the prompt's "7 5 6" gives the chain [5, 6]
@@ -18,8 +19,8 @@ The step's cost is priced from the time between calls, which is one whole engine
 (schedule, forward pass, sampling, this proposer): vLLM's forward pass is not ours to time,
 and that interval is what a user waits for. The proposer sends nothing until it has timed one
 plain step; that price is every width's to start with ("drafting is free"), and the cost
-model learns each (rows, width) size online from real steps, so every size worth trying is
-tried and then priced as it runs here.
+model learns each size (the step's tokens in all) online from real steps, so every size worth
+trying is tried and then priced as it runs here.
 """
 
 from __future__ import annotations
@@ -28,13 +29,32 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..config import MAX_NGRAM_LENGTH
 from ..drafting.drafter import TrieDrafter, TrieDrafting
-from ..drafting.policy import CostModel
+from ..drafting.policy import BASE_CONTEXT, CostModel
 from ..drafting.tree import DraftTree
 
 TAIL = MAX_NGRAM_LENGTH
 """Tokens of a request's end a row carries: more than any trie matches (its match length is below)."""
+
+
+class StepTokensCost(CostModel):
+    """A step's price by the tokens it carries in all, whatever the rows: vLLM runs a batch as one flat sequence.
+
+    The factors the cost model learns per size are then shared by every row count (16 rows of 1 token
+    and 4 rows of 4 cost alike), where keyed by rows each new row count of a shrinking batch would be
+    explored anew from the flat start.
+    """
+
+    KEEP_FIRST = True  # a flat start can be off by far more than the outlier bound
+
+    def predict_widths(self, widths: Sequence[float], rows: int = 1, context: int = BASE_CONTEXT) -> np.ndarray:
+        return super().predict_widths(np.asarray(widths, dtype=np.float64) * rows, 1, context)
+
+    def observe(self, width: float, milliseconds: float, rows: int = 1, context: int = BASE_CONTEXT) -> None:
+        super().observe(width * rows, milliseconds, 1, context)
 
 
 @dataclass(frozen=True)
@@ -55,6 +75,8 @@ class Row:
     """Tokens the request may still emit."""
     drafting: bool = True
     """False: the request asked to be decoded without drafts (it still teaches the trie)."""
+    stops: frozenset[int] = frozenset()
+    """Tokens that end the request (vLLM's stop ids: its EOS unless ignored, and the request's own)."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +88,9 @@ class Batch:
     """Requests that ended since the last call."""
     carried: Mapping[str, int] = field(default_factory=dict)
     """Tokens each request carried through the step just run (its prompt chunk, or 1 + its drafts)."""
+    live: Collection[str] | None = None
+    """Every request vLLM still holds, running or not (None: not known). Any other ended: vLLM does not call the
+    proposer after a step that scheduled nothing, so the last finished ids of a burst never arrive."""
 
 
 @dataclass
@@ -73,8 +98,10 @@ class _Request:
     drafter: TrieDrafter
     proposed: DraftTree | None = None
     """The chain proposed last (None before the first)."""
-    sent: DraftTree | None = None
+    sent: DraftTree = field(default_factory=DraftTree)
     """The part of it the step carried."""
+    length: int = 0
+    """Tokens the request held at the last call (0: none yet)."""
 
 
 class ChainDrafting:
@@ -102,9 +129,12 @@ class ChainDrafting:
     def propose(self, batch: Batch) -> list[list[int]]:
         """The draft tokens for each row of `batch` (a chain, maybe empty), in its order."""
         now = self.clock()
-        for request in batch.finished:
+        ended = set(batch.finished)
+        if batch.live is not None:
+            ended.update(request for request in self._requests if request not in batch.live)
+        for request in ended:
             self.close(request)
-        steady = self._last_call is not None and bool(batch.carried)
+        steady = self._last_call is not None
         trees: list[DraftTree] = []
         for row in batch.rows:
             state = self._requests.get(row.request)
@@ -117,7 +147,7 @@ class ChainDrafting:
             else:
                 tree = DraftTree()
             trees.append(tree)
-        if steady and len(batch.carried) == len(batch.rows):
+        if steady and batch.rows and len(batch.carried) == len(batch.rows):
             self._observe(batch, (now - self._last_call) * 1000.0)
         context = max((row.length for row in batch.rows), default=1) - 1
         if self.drafting.policy.adaptive:
@@ -130,18 +160,22 @@ class ChainDrafting:
         return [list(tree.tokens) for tree in trees]
 
     def _hear(self, state: _Request, row: Row, carried: int | None) -> bool:
-        """Tell the drafter what the step kept; False when the step read prompt tokens (not a decoding step)."""
+        """Tell the drafter what the step kept; False unless the step was one plain or drafted step of this row
+        (it read prompt tokens, or vLLM ran steps without calling the proposer)."""
         if not row.sampled:
             return False
+        missed = row.length - len(row.sampled) - state.length if state.length else 0
+        state.length = row.length
         kept = list(row.sampled)
-        boundary = next((i for i, token in enumerate(kept) if token in self.drafting.trie.boundary_ids), None)
-        if boundary is not None:
-            kept = kept[: boundary + 1]  # vLLM cuts the output at the stop; the trie must not learn past it
-        if state.proposed is None:  # the prompt's first token
-            state.drafter.learn(kept)
+        stop = next((i for i, token in enumerate(kept) if token in row.stops), None)
+        if stop is not None:
+            kept = kept[: stop + 1]  # vLLM ends the output at the stop; the trie must not learn past it
+        if state.proposed is None or missed:  # no chain proposed yet, or steps vLLM ran without us
+            earlier = list(row.tail[-(missed + len(row.sampled)) : -len(row.sampled)]) if missed > 0 else []
+            state.drafter.learn(earlier + kept)
+            state.sent = DraftTree()
             return False
-        sent = state.proposed.prefix(row.verified)
-        state.sent = sent
+        sent = state.sent = state.proposed.prefix(row.verified)
         accepted = 0
         while accepted < min(len(sent), len(row.sampled) - 1) and sent.tokens[accepted] == row.sampled[accepted]:
             accepted += 1
@@ -151,14 +185,12 @@ class ChainDrafting:
 
     def _observe(self, batch: Batch, milliseconds: float) -> None:
         """Price the step just run: its rows' sent chains and the time it took."""
-        sent = [self._requests[row.request].sent or DraftTree() for row in batch.rows]
+        sent = [self._requests[row.request].sent for row in batch.rows]
         policy = self.drafting.policy
         if policy.cost is None:
             if not self._adaptive:
                 return
-            policy.cost = CostModel(
-                {1: milliseconds, 2: milliseconds}
-            )  # a plain step's time: see the module's docstring
+            policy.cost = StepTokensCost({1: milliseconds, 2: milliseconds})  # flat: see the module's docstring
         self.drafting.observe(sent, milliseconds, self._last_context)
         self.steady_steps += 1
 

@@ -7,11 +7,10 @@ while answers arrive, and at shutdown.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
-import time
 from collections.abc import Sequence
+from multiprocessing.util import Finalize
 from typing import Any
 
 from ..drafting.drafter import TrieDrafting
@@ -31,15 +30,23 @@ class LookaheadProposer:
 
         check_version(vllm.__version__)
         settings = Settings.from_environment()
+        model_config = vllm_config.model_config
+        tokenizer = _tokenizer(model_config)
         trie = load_trie(settings.trie_path)
         if trie is not None:
             log.info("lookahead: trie loaded from %s (%d nodes)", settings.trie_path, len(trie))
-        drafting = TrieDrafting.from_config(settings.config, _eos_ids(vllm_config.model_config), trie=trie)
+        drafting = TrieDrafting.from_config(settings.config, _eos_ids(model_config, tokenizer), trie=trie)
+        drafting.trie.bind_tokenizer(tokenizer)  # a trie saved with another tokenizer is refused here
+        drafting.trie.check_vocabulary(model_config.get_vocab_size())  # and one with ids the model lacks
         self.chains = ChainDrafting(drafting, vllm_config.speculative_config.num_speculative_tokens)
         if settings.trie_path is not None:
             saver = TrieSaver(drafting.trie, settings.trie_path, settings.save_every_s, lambda: self.chains.closed)
-            threading.Thread(target=_save_periodically, args=(saver,), name="lookahead-trie-saver", daemon=True).start()
-            atexit.register(saver.save)
+            stop = threading.Event()
+            periodic = threading.Thread(target=_save_periodically, args=(saver, stop), name="lookahead-trie-saver")
+            periodic.daemon = True
+            periodic.start()
+            # Run as the worker process ends, forked or spawned (a forked child skips atexit), and in the main one.
+            Finalize(None, _save_at_exit, args=(saver, stop, periodic), exitpriority=10)
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """vLLM's CPU runner hands its drafter the model; Lookahead drafts without one."""
@@ -49,21 +56,40 @@ class LookaheadProposer:
         return self.chains.propose(read_batch(runner, scheduler_output, sampled_token_ids))
 
 
-def _save_periodically(saver: TrieSaver) -> None:
-    while True:
-        time.sleep(saver.every_s)
+def _save_periodically(saver: TrieSaver, stop: threading.Event) -> None:
+    while not stop.wait(saver.every_s):
         if saver.changed():
             saver.save()
 
 
-def _eos_ids(model_config: Any) -> frozenset[int]:
+def _save_at_exit(saver: TrieSaver, stop: threading.Event, periodic: threading.Thread) -> None:
+    """The last save, after any periodic one under way (an older snapshot must not replace it)."""
+    stop.set()
+    periodic.join(timeout=60)
+    saver.save()
+
+
+def _tokenizer(model_config: Any) -> Any:
+    """The tokenizer vLLM serves the model with (the trie file's tokens are its ids)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        model_config.tokenizer,
+        revision=getattr(model_config, "tokenizer_revision", None),
+        trust_remote_code=getattr(model_config, "trust_remote_code", False),
+    )
+
+
+def _eos_ids(model_config: Any, tokenizer: Any) -> frozenset[int]:
     """The model's end-of-turn ids (the trie's n-gram boundaries), from its generation config or tokenizer."""
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
     from ..models import eos_ids
 
     try:
-        generation = GenerationConfig.from_pretrained(model_config.model)
+        generation = GenerationConfig.from_pretrained(
+            model_config.model, revision=getattr(model_config, "revision", None)
+        )
     except OSError:
         generation = GenerationConfig()
-    return eos_ids(generation, AutoTokenizer.from_pretrained(model_config.tokenizer))
+    return eos_ids(generation, tokenizer)

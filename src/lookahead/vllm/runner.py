@@ -20,7 +20,7 @@ from .chains import TAIL, Batch, Row
 
 OPT_OUT = "lookahead"
 """`SamplingParams(extra_args={"lookahead": False})`: this request is decoded without drafts."""
-SUPPORTED = ((0, 32), (0, 34))
+SUPPORTED = ((0, 32), (0, 33))
 """vLLM versions [from, to) whose model runner this module reads."""
 
 
@@ -33,8 +33,10 @@ def check_version(version: str) -> None:
         major_minor = None
     low, high = SUPPORTED
     if major_minor is None or not low <= major_minor < high:
+        last = (high[0], high[1] - 1)
+        tested = f"{low[0]}.{low[1]} only" if last == low else f"{low[0]}.{low[1]} to {last[0]}.{last[1]}"
         raise RuntimeError(
-            f"lookahead.vllm supports vLLM {low[0]}.{low[1]} to {high[0]}.{high[1] - 1} (found {version}): "
+            f"lookahead.vllm supports vLLM {tested} (found {version}): "
             f"its proposer reads vLLM's model runner, which changes between versions"
         )
 
@@ -46,7 +48,7 @@ def calling_runner(depth: int = 2) -> tuple[Any, Any]:
     if runner is None or scheduler_output is None or not hasattr(runner, "input_batch"):
         raise RuntimeError(
             "lookahead.vllm's proposer must be called by vLLM's model runner (propose_draft_token_ids); "
-            f"it was called from {frame.f_code.co_qualname}"
+            f"it was called from {frame.f_code.co_name}"
         )
     return runner, scheduler_output
 
@@ -63,6 +65,9 @@ def read_batch(runner: Any, scheduler_output: Any, sampled: Sequence[Sequence[in
         params = state.sampling_params
         most = params.max_tokens if params is not None and params.max_tokens is not None else runner.max_model_len
         extra = (params.extra_args if params is not None else None) or {}
+        stops = set(params.stop_token_ids or ()) if params is not None else set()
+        if params is not None and not params.ignore_eos and params.eos_token_id is not None:
+            stops.add(params.eos_token_id)
         rows.append(
             Row(
                 request=request,
@@ -73,6 +78,8 @@ def read_batch(runner: Any, scheduler_output: Any, sampled: Sequence[Sequence[in
                 verified=len(spec_tokens.get(request, ())),
                 room=min(most - (count - len(prompt)), runner.max_model_len - count),
                 drafting=extra.get(OPT_OUT, True) is not False,
+                stops=frozenset(stops),
             )
         )
-    return Batch(rows, tuple(scheduler_output.finished_req_ids), dict(scheduler_output.num_scheduled_tokens))
+    finished = tuple(scheduler_output.finished_req_ids)
+    return Batch(rows, finished, dict(scheduler_output.num_scheduled_tokens), live=runner.requests.keys())
