@@ -87,12 +87,17 @@ bench-sampling: setup
 		--methods plain,lookahead --temperature 0.7 --top-p 0.9 --out benchmarks/smollm2-135m-sampling
 	$(BENCH_PAGE)
 
-# On a CUDA machine: the same comparison in bfloat16 and float32 (DTYPE=float32).
-DTYPE ?= bfloat16
+# On a CUDA machine, float32 then bfloat16: one stream (plain, HF prompt lookup, lookahead; GPU_LIMIT prompts per set)
+# and a closed batch of 8 mixed prompts (benchmarks/*qwen2.5-coder-0.5b-cuda-<dtype>/).
+GPU_LIMIT ?= 10
+GPU_MODEL := --model qwen2.5-coder-0.5b --device cuda --threads 8
 bench-gpu: models
-	$(BIN)/lookahead bench --model qwen2.5-coder-0.5b --device cuda --dtype $(DTYPE) --threads 8 --limit 10 \
-		--datasets code-edit,humaneval,gsm8k,mtbench --methods plain,hf-prompt-lookup,lookahead \
-		--out benchmarks/qwen2.5-coder-0.5b-cuda-$(DTYPE)
+	for dtype in float32 bfloat16; do \
+		$(BIN)/lookahead bench $(GPU_MODEL) --dtype $$dtype --limit $(GPU_LIMIT) --datasets code-edit,humaneval,gsm8k,mtbench \
+			--methods plain,hf-prompt-lookup,lookahead --out benchmarks/qwen2.5-coder-0.5b-cuda-$$dtype && \
+		$(BIN)/python -m lookahead.bench.closedbench $(GPU_MODEL) --dtype $$dtype --sizes 8 --sets mixed \
+			--out benchmarks/closed-qwen2.5-coder-0.5b-cuda-$$dtype || exit 1; \
+	done
 	$(BENCH_PAGE)
 
 # Forward passes of 1-64 tokens, the model's own linear layers against packed ones (benchmarks/passes-<model>/).

@@ -78,6 +78,30 @@ def test_harness_on_one_prompt_of_two_sets(tmp_path):
     for plot in ("speedup.png", "accepted.png"):
         assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| code-edit | lookahead |" in (out / "results.md").read_text()
+    assert result["divergences"] == []
+
+
+@pytest.mark.slow
+def test_a_divergence_is_reported_where_it_starts_with_plains_margin_there(default_model):
+    """A planted difference at position 3: found there, with a positive margin for plain's own token."""
+    import torch
+
+    from lookahead.bench.datasets import load_prompts
+    from lookahead.bench.runner import Bench, Sample
+
+    model, tokenizer = default_model
+    bench = Bench(model, tokenizer, ["plain", "lookahead"], {}, 8)
+    prompt = load_prompts(["humaneval"], 1)[0]
+    ids = bench.chat_ids([{"role": "user", "content": prompt.text}])
+    plain = bench.run("plain", prompt, ids)
+    changed = [*plain.token_ids[:3], (plain.token_ids[3] + 1) % 1000, *plain.token_ids[4:]]
+    samples = [plain, Sample(prompt.dataset, "lookahead", prompt.key, changed, 1.0, 4, 8),
+               Sample(prompt.dataset, "hf-greedy", prompt.key, plain.token_ids, 1.0, None, None)]  # fmt: skip
+    [found] = bench.divergences(samples, [prompt])
+    assert found["method"] == "lookahead" and found["position"] == 3 and found["reference_margin"] > 0
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids + plain.token_ids[:3]])).logits[0, -1]
+    assert int(logits.argmax()) == plain.token_ids[3], "the margin is taken where plain's own token is the top one"
 
 
 def test_summary_keeps_data_sets_with_the_same_prompt_keys_apart():

@@ -17,7 +17,7 @@ from conftest import BENCHMARK_SETS, hf_greedy
 
 from lookahead import LookaheadConfig, LookaheadEngine, load_model
 from lookahead.bench.datasets import load_prompts
-from lookahead.bench.llamabench import reference_margin
+from lookahead.bench.divergence import reference_margin
 from lookahead.cli import main
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="the llama.cpp backend is not installed (make test installs it)")

@@ -17,7 +17,7 @@ from ..config import LookaheadConfig
 from ..decoding.sampling import request_options
 from .datasets import DATASETS, load_prompts
 from .replay import RECORDED_FOLLOWING, load_records, record, replay, summarize_replay, sweep_configs
-from .report import environment, markdown_table, plot_accepted, plot_speedup, plot_sweep
+from .report import DIVERGENCE_COLUMNS, environment, markdown_table, plot_accepted, plot_speedup, plot_sweep
 from .runner import BUILTIN_METHODS, Bench, parse_variant, summarize
 
 
@@ -88,6 +88,7 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
             progress.update(task, advance=1, description=f"{prompt.dataset:>10} | {shown}")
 
     rows = summarize(samples, methods)
+    divergences = bench.divergences(samples, prompts)
     model_name = args.model or "smollm2-135m"
     result = {
         "model": model_name,
@@ -101,6 +102,7 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
                      "draft_mode": bench.engines["lookahead"].draft_mode},
         "environment": environment(),
         "results": rows,
+        "divergences": divergences,
         "samples": [
             {"dataset": s.dataset, "key": s.key, "method": s.method, "new_tokens": len(s.token_ids),
              "seconds": round(s.seconds, 4), "steps": s.steps, "draft_tokens": s.draft_tokens}
@@ -114,6 +116,9 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     if args.json:
         Path(args.json).write_text(text)
     table = markdown_table(rows)
+    if divergences:
+        table += "\n\nOutputs that differ from plain decoding (plain's top-2 logit margin where they first differ):\n\n"
+        table += markdown_table(divergences, DIVERGENCE_COLUMNS)
     (out / "results.md").write_text(table + "\n")
     title = f"{model_name}, {args.dtype}, {args.max_new_tokens} new tokens, {args.limit} prompts per set"
     plot_speedup(rows, out / "speedup.png", title)

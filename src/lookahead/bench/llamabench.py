@@ -28,11 +28,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-
 from ..engine import LookaheadEngine
 from ..models import load_model
 from .datasets import Prompt, load_prompts
+from .divergence import first_difference, reference_margin
 from .report import markdown_table, run_record
 
 SETS = ["code-edit", "humaneval", "gsm8k", "mtbench", "creative"]
@@ -83,25 +82,6 @@ def engine_runs(engines: tuple[LookaheadEngine, LookaheadEngine], label: str, ma
         return generate
 
     return {f"plain (ours, {label})": run(False), f"lookahead ({label})": run(True)}
-
-
-def reference_margin(model, ids: list[int], reference: list[int], index: int) -> float:
-    """Top-2 logit margin of llama.cpp's one-token step where `reference` (its output after `ids`) takes `index`."""
-    from ..backends.llamacpp.verifier import Entry, LlamaCppDecoder
-
-    decoder, context = LlamaCppDecoder(model), ids + reference[:index]
-    with model.lock:
-        sequence = model.take_sequence()
-        decoder([Entry(token, i, (sequence,), False) for i, token in enumerate(context[:-1])])
-        top = np.sort(decoder([Entry(context[-1], len(context) - 1, (sequence,), True)])[0])[-2:]
-        model.give_back(sequence)
-    return round(float(top[1] - top[0]), 4)
-
-
-def first_difference(got: list[int], want: list[int]) -> int | None:
-    if got == want:
-        return None
-    return next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
 
 
 def one_stream(runs: dict[str, Run], prompts: list[Prompt], ids: list[list[int]], progress: Callable[[str], None]):

@@ -17,6 +17,7 @@ import torch
 from ..config import LookaheadConfig
 from ..engine import LookaheadEngine
 from .datasets import Prompt
+from .divergence import first_difference, reference_margin
 
 BUILTIN_METHODS = ("plain", "hf-greedy", "hf-prompt-lookup", "lookahead")
 
@@ -102,13 +103,36 @@ class Bench:
         return Sample(prompt.dataset, method, prompt.key, tokens, seconds, None, None)
 
     def warm_up(self, prompt: Prompt) -> None:
-        """First calls pay one-off costs (allocations, kernel selection): not part of any figure."""
+        """First calls pay one-off costs (allocations, kernel selection): not part of any figure.
+
+        On an accelerator kernels are chosen per shape as the context grows, so the warm-up runs
+        the full length there; on a CPU a few tokens suffice.
+        """
         ids = self.chat_ids([{"role": "user", "content": prompt.text}])
+        device = getattr(self.model, "device", None)
+        length = self.max_new_tokens if isinstance(device, torch.device) and device.type != "cpu" else 4
         for method in self.methods:
             if method.startswith("hf-"):
-                self.run(method, prompt, ids, max_new_tokens=4)
+                self.run(method, prompt, ids, max_new_tokens=length)
             else:
-                self.engines[method].generate(ids, max_new_tokens=4, use_lookahead=False)
+                self.engines[method].generate(ids, max_new_tokens=length, use_lookahead=False)
+
+    def divergences(self, samples: list[Sample], prompts: list[Prompt]) -> list[dict]:
+        """Every output that differs from plain decoding's: where, and (greedy) plain's top-2 margin there."""
+        plain = {(s.dataset, s.key): s.token_ids for s in samples if s.method == "plain"}
+        texts = {(p.dataset, p.key): p.text for p in prompts}
+        found = []
+        for sample in samples:
+            want = plain.get((sample.dataset, sample.key))
+            if sample.method == "plain" or want is None or (index := first_difference(sample.token_ids, want)) is None:
+                continue
+            margin = None
+            if not self.sampling and index < len(want):
+                ids = self.chat_ids([{"role": "user", "content": texts[sample.dataset, sample.key]}])
+                margin = reference_margin(self.model, ids, want, index)
+            found.append({"dataset": sample.dataset, "prompt": sample.key, "method": sample.method,
+                          "position": index, "reference_margin": margin})  # fmt: skip
+        return found
 
     def prompt(self, index: int, prompt: Prompt) -> list[Sample]:
         """All methods on one prompt, starting from a different method each time."""
