@@ -9,7 +9,7 @@ from tiny_models import tiny_model
 
 import lookahead.backends.transformers.verifier
 from lookahead import LookaheadConfig, LookaheadEngine
-from lookahead.decoding.sampling import SamplingParams, TokenChooser
+from lookahead.decoding.sampling import OccurrencePenalty, SamplingParams, TokenChooser
 from lookahead.decoding.verify import accept
 from lookahead.drafting.tree import DraftTree
 
@@ -112,12 +112,31 @@ def test_greedy_with_repetition_penalty_sees_each_nodes_own_prefix():
 @pytest.mark.parametrize(
     ("option", "value"),
     [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("min_p", 1.5), ("min_p", -0.1),
-     ("repetition_penalty", 0.0), ("temperature", float("nan")), ("seed", "seven"), ("seed", 2**64), ("seed", -1),
-     ("seed", True), ("top_k", True)],
+     ("repetition_penalty", 0.0), ("temperature", float("nan")), ("seed", "seven"), ("seed", 2**64),
+     ("seed", -(2**63) - 1), ("seed", True), ("top_k", True), ("presence_penalty", 2.5),
+     ("frequency_penalty", -3), ("presence_penalty", float("nan")), ("logit_bias", {5: 101}),
+     ("logit_bias", {-1: 1.0}), ("logit_bias", {"5": 1.0})],
 )  # fmt: skip
 def test_bad_sampling_settings_name_the_argument(option, value):
     with pytest.raises(ValueError, match=option):
         SamplingParams(do_sample=True, **{option: value})
+
+
+def test_presence_and_frequency_penalties_count_the_answer_only():
+    """The worked example: prompt [5, 5], answer [5, 7, 5]; presence 0.5, frequency 0.25."""
+    penalty = OccurrencePenalty(presence=0.5, frequency=0.25, prompt_length=2)
+    scores = penalty(torch.tensor([[5, 5, 5, 7, 5]]), torch.zeros(1, 9))
+    assert scores[0, 5] == -1.0 and scores[0, 7] == -0.75 and scores[0, [0, 1, 2, 3, 4, 6, 8]].eq(0).all()
+
+
+def test_logit_bias_moves_the_choice_and_logprobs_are_the_raw_models():
+    logits = torch.tensor([2.0, 1.0, 0.0])
+    chooser = TokenChooser(SamplingParams(logit_bias={2: 5.0}).processors(), False, None, logprobs=2)
+    assert chooser.choose(logits, [0]) == 2
+    (record,) = chooser.chosen
+    raw = torch.log_softmax(logits, -1)
+    assert record.token == 2 and record.logprob == pytest.approx(float(raw[2]))
+    assert [token for token, _ in record.top] == [0, 1] and record.top[0][1] == pytest.approx(float(raw[0]))
 
 
 # ---- through the engine: a tiny model with a 16-token vocabulary --------------------------------
@@ -207,6 +226,16 @@ def test_a_seed_gives_the_same_output_whatever_ran_before(tiny_engine):
     assert len(outputs) > 1, "different seeds must be able to give different outputs"
 
 
+def test_a_negative_seed_is_its_twos_complement(tiny_engine):
+    options = {"do_sample": True, "temperature": 0.9}
+    negative = tiny_engine.generate(PROMPT, 12, seed=-1, **options).token_ids
+    assert negative == tiny_engine.generate(PROMPT, 12, False, seed=2**64 - 1, **options).token_ids
+    assert (
+        tiny_engine.generate(PROMPT, 12, seed=-(2**63), **options).token_ids
+        == tiny_engine.generate(PROMPT, 12, False, seed=2**63, **options).token_ids
+    )
+
+
 def test_temperature_zero_is_greedy(tiny_engine):
     greedy = tiny_engine.generate(PROMPT, 10, use_lookahead=False).token_ids
     assert tiny_engine.generate(PROMPT, 10, do_sample=True, temperature=0.0, seed=3).token_ids == greedy
@@ -227,3 +256,62 @@ def test_sampled_rows_batched_with_other_rows_keep_the_models_distribution(tiny_
     assert goodness_of_fit(samples, exact) > 1e-3
     alone = tiny_engine.generate(PROMPT, 3, do_sample=True, temperature=0.9, seed=10**7).token_ids
     assert list(samples[0]) == alone, "a seeded row draws what it draws alone"
+
+
+# ---- OpenAI's penalties, logit bias and log-probabilities on the bundled model ---------------------
+
+
+@pytest.fixture(scope="module")
+def chats(default_model):
+    engine = LookaheadEngine(*default_model)
+    questions = ["Write a Python function that returns the squares of a list, then explain it.",
+                 "List the days of the week, one per line, twice."]  # fmt: skip
+    return [engine.chat_ids([{"role": "user", "content": q}]) for q in questions]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded-sampling"])
+def test_penalties_and_logit_bias_keep_lookahead_exact(default_model, chats, sampled):
+    engine = LookaheadEngine(*default_model)
+    bias = {int(engine.encode(" the")[0]): -4.0, int(engine.encode(" list")[0]): 3.0}
+    options = {"presence_penalty": 0.6, "frequency_penalty": 0.4, "logit_bias": bias}
+    if sampled:
+        options |= {"do_sample": True, "temperature": 0.8, "seed": -12345}
+    accepted, plains = 0, []
+    for ids in chats:
+        plains.append(plain := engine.generate(ids, 40, use_lookahead=False, **options).token_ids)
+        for _ in range(2):  # the second time, the trie holds this answer: long drafts are checked too
+            out = engine.generate(ids, 40, **options)
+            assert out.token_ids == plain
+            accepted += sum(n * steps for n, steps in out.stats.accepted_histogram.items())
+    unpenalized = {k: v for k, v in options.items() if k not in ("presence_penalty", "frequency_penalty")}
+    assert [engine.generate(ids, 40, False, **unpenalized).token_ids for ids in chats] != plains, "penalties act"
+    rows = engine.generate_batch(chats, 40, max_batch=2, progress=False, **options)
+    assert [row.token_ids for row in rows] == plains, "batched rows draw and penalize as they do alone"
+    assert accepted > 20, "drafts were accepted, so verification ran with the penalties"
+
+
+@pytest.mark.slow
+def test_logprobs_are_what_plain_decoding_computes(default_model, chats):
+    """Greedy lookahead's log-probabilities against transformers' own generate(output_logits=True)."""
+    model, tokenizer = default_model
+    engine = LookaheadEngine(model, tokenizer)
+    for ids in chats:
+        engine.generate(ids, 48)  # the answer is in the trie: the next run verifies long drafts
+        out = engine.generate(ids, 48, logprobs=3)
+        assert sum(n * steps for n, steps in out.stats.accepted_histogram.items()) > 10
+        inputs = torch.tensor([ids])
+        reference = model.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=False, max_new_tokens=48,
+                                   output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        assert out.token_ids == reference.sequences[0, len(ids) :].tolist()
+        assert len(out.logprobs) == len(out.token_ids)
+        for record, logits in zip(out.logprobs, reference.logits, strict=True):
+            want = torch.log_softmax(logits[0].float(), -1)
+            assert record.logprob == pytest.approx(float(want[record.token]), abs=1e-4)
+            values, top = want.topk(3)
+            assert [token for token, _ in record.top] == top.tolist()
+            assert [value for _, value in record.top] == pytest.approx(values.tolist(), abs=1e-4)
+    sampled = {"do_sample": True, "temperature": 0.7, "seed": 3, "logprobs": 0}
+    fast, plain = engine.generate(chats[0], 32, **sampled), engine.generate(chats[0], 32, False, **sampled)
+    assert fast.token_ids == plain.token_ids and all(r.top == () for r in fast.logprobs)
+    assert [r.logprob for r in fast.logprobs] == pytest.approx([r.logprob for r in plain.logprobs], abs=1e-4)

@@ -13,7 +13,7 @@ import contextlib
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -154,10 +154,13 @@ class LookaheadEngine:
         """The continuation of `prompt`, token for token what plain decoding gives.
 
         Greedy by default. `options`: do_sample, temperature (0 = greedy), top_k, top_p, min_p,
-        repetition_penalty, seed (same seed, same output, with or without lookahead), stop (a
-        string or list: the text ends before the first), stop_token_ids, logits_processor (a
-        transformers LogitsProcessorList used instead of the sampling settings), on_tokens
-        (called with each step's new tokens).
+        repetition_penalty, presence_penalty and frequency_penalty (OpenAI's, over the answer),
+        logit_bias ({token id: bias}), seed (same seed, same output, with or without lookahead;
+        any integer in [-2**63, 2**64), a negative one taken modulo 2**64), stop (a string or
+        list: the text ends before the first), stop_token_ids, logits_processor (a transformers
+        LogitsProcessorList used instead of the sampling settings), logprobs (k: each new
+        token's log-probability under the model and its k likeliest alternatives, in
+        `GenerationOutput.logprobs`), on_tokens (called with each step's new tokens).
         """
         generation = self.prepare(prompt, max_new_tokens, **options)
         for _ in self._steps(generation, use_lookahead):
@@ -260,9 +263,13 @@ class LookaheadEngine:
         min_p: float = 0.0,
         repetition_penalty: float = 1.0,
         seed: int | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logit_bias: Mapping[int, float] | None = None,
         stop: str | Sequence[str] | None = None,
         stop_token_ids: Sequence[int] | None = None,
         logits_processor: LogitsProcessorList | None = None,
+        logprobs: int | None = None,
         on_tokens: Callable[[list[int]], None] | None = None,
     ) -> Generation:
         """A checked Generation of `prompt`, ready for the step loop (options as `generate`).
@@ -278,21 +285,28 @@ class LookaheadEngine:
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                 f"model's context of {self.max_positions} tokens"
             )
-        params = SamplingParams(do_sample, temperature, top_k, top_p, min_p, repetition_penalty, seed)
+        params = SamplingParams(
+            do_sample, temperature, top_k, top_p, min_p, repetition_penalty, seed,
+            presence_penalty, frequency_penalty, logit_bias,
+        )  # fmt: skip
         if logits_processor is not None and params != SamplingParams(do_sample, seed=seed):
             raise ValueError("pass either logits_processor or sampling settings, not both")
-        processors = params.processors() if logits_processor is None else logits_processor
+        vocab = self.backend.vocab_size
+        if bad := [t for t in logit_bias or () if t >= vocab]:
+            raise ValueError(f"logit_bias: token ids outside the vocabulary of {vocab}: {bad[:5]}")
+        if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or logprobs < 0):
+            raise ValueError(f"logprobs must be an integer >= 0 (alternatives per token) or None, got {logprobs!r}")
+        processors = params.processors(len(ids)) if logits_processor is None else logits_processor
         stops = stop_strings(stop)
         tokenizer = self.tokenizer
         if stops and tokenizer is None:
             raise ValueError("stop strings need a tokenizer: this engine has none")
         extra = [int(t) for t in stop_token_ids or ()]
-        vocab = self.backend.vocab_size
         if bad := [t for t in extra if not 0 <= t < vocab]:
             raise ValueError(f"stop_token_ids outside the vocabulary of {vocab}: {bad[:5]}")
         decode_text = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer else (lambda ids: "")
         transcript = Transcript(decode_text, max_new_tokens, self.eos_ids | frozenset(extra), stops)
-        chooser = TokenChooser(processors, params.sampled, seed)
+        chooser = TokenChooser(processors, params.sampled, seed, logprobs)
         return Generation(ids, max_new_tokens, transcript, chooser, on_tokens)
 
 

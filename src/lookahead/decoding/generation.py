@@ -17,7 +17,7 @@ from .transcript import FinishReason, Transcript
 
 if TYPE_CHECKING:
     from ..drafting.drafter import Drafter
-    from .sampling import TokenChooser
+    from .sampling import TokenChooser, TokenLogprob
 
 
 @dataclass
@@ -63,6 +63,8 @@ class GenerationOutput:
     stats: GenerationStats
     finish_reason: FinishReason
     """'stop': end-of-sequence, a stop token or a stop string; 'length': max_new_tokens reached."""
+    logprobs: list[TokenLogprob] | None = None
+    """Per new token, its log-probability and the likeliest alternatives (when asked for: `logprobs=k`)."""
 
 
 class Generation:
@@ -112,6 +114,8 @@ class Generation:
 
     def output(self) -> GenerationOutput:
         transcript = self.transcript
+        chooser = self.chooser
+        logprobs = None if chooser is None or chooser.logprobs is None else chooser.chosen[: len(transcript.tokens)]
         return GenerationOutput(
-            list(transcript.tokens), transcript.text, self.stats, transcript.finish_reason or "length"
+            list(transcript.tokens), transcript.text, self.stats, transcript.finish_reason or "length", logprobs
         )
