@@ -287,6 +287,55 @@ def test_the_seeds_of_n_choices_wrap_at_2_to_the_64(client, engine):
     assert [c.text for c in sampled.choices] == seeded
 
 
+def test_chat_logprobs_are_the_engines_whole_and_streamed(client, engine):
+    messages = [{"role": "user", "content": "List three primary colours, one per line."}]
+    want = engine.generate(engine.chat_ids(messages), TOKENS, logprobs=3)
+    call = {"model": MODEL, "messages": messages, "max_tokens": TOKENS, "temperature": 0, "logprobs": True,
+            "top_logprobs": 3}  # fmt: skip
+    whole = client.chat.completions.create(**call).choices[0].logprobs.content
+    assert [entry.token for entry in whole] == [engine.tokenizer.decode([r.token]) for r in want.logprobs]
+    assert [entry.logprob for entry in whole] == pytest.approx([r.logprob for r in want.logprobs], abs=1e-4)
+    assert [[alt.token for alt in entry.top_logprobs] for entry in whole] == [
+        [engine.tokenizer.decode([token]) for token, _ in r.top] for r in want.logprobs
+    ]
+    assert all(entry.bytes == list(entry.token.encode()) for entry in whole)
+    streamed = [entry for chunk in client.chat.completions.create(stream=True, **call)
+                for choice in chunk.choices if choice.logprobs for entry in choice.logprobs.content]  # fmt: skip
+    assert [e.token for e in streamed] == [e.token for e in whole]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in whole], abs=1e-4)
+    plain = client.chat.completions.create(**{**call, "logprobs": False, "top_logprobs": None}).choices[0]
+    assert plain.logprobs is None and plain.message.content == engine.tokenizer.decode(
+        want.token_ids, skip_special_tokens=True
+    )
+
+
+def test_completion_logprobs_have_tokens_offsets_and_alternatives(client, engine):
+    prompt = "def add(a, b):"
+    want = engine.generate(prompt, TOKENS, do_sample=True, temperature=0.7, seed=-3, logprobs=2)
+    call = {"model": MODEL, "prompt": prompt, "max_tokens": TOKENS, "temperature": 0.7, "seed": -3, "logprobs": 2}
+    choice = client.completions.create(**call).choices[0]
+    assert choice.text == want.text
+    logprobs = choice.logprobs
+    assert logprobs.tokens == [engine.tokenizer.decode([r.token]) for r in want.logprobs]
+    assert logprobs.token_logprobs == pytest.approx([r.logprob for r in want.logprobs], abs=1e-4)
+    assert all(len(top) == 2 for top in logprobs.top_logprobs)
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+    streamed = [chunk.choices[0].logprobs for chunk in client.completions.create(stream=True, **call)
+                if chunk.choices and chunk.choices[0].logprobs]  # fmt: skip
+    assert [token for part in streamed for token in part.tokens] == logprobs.tokens
+    assert [offset for part in streamed for offset in part.text_offset] == logprobs.text_offset
+
+
+def test_penalties_and_logit_bias_are_the_engines(client, engine):
+    prompt = "Write a list of fruits:"
+    bias = {str(engine.encode(" apple")[0]): -100.0}
+    want = engine.generate(prompt, TOKENS, presence_penalty=0.8, frequency_penalty=0.5,
+                           logit_bias={int(k): v for k, v in bias.items()})  # fmt: skip
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=TOKENS, temperature=0,
+                                    presence_penalty=0.8, frequency_penalty=0.5, logit_bias=bias)  # fmt: skip
+    assert got.choices[0].text == want.text != engine.generate(prompt, TOKENS).text
+
+
 def test_stream_options_without_stream_is_refused_by_name(client):
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, stream_options={"include_usage": True})
@@ -471,7 +520,34 @@ BAD_REQUESTS = {
     "five stop sequences": ("/v1/completions", {**GOOD_COMPLETION, "stop": list("abcde")}, 400, "stop"),
     "stop of the wrong type": ("/v1/completions", {**GOOD_COMPLETION, "stop": [7]}, 400, "stop[0]"),
     "stream as a string": ("/v1/completions", {**GOOD_COMPLETION, "stream": "yes"}, 400, "stream"),
-    "presence penalty": ("/v1/completions", {**GOOD_COMPLETION, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    "presence penalty above 2": (
+        "/v1/completions",
+        {**GOOD_COMPLETION, "presence_penalty": 2.5},
+        400,
+        "presence_penalty",
+    ),
+    "frequency penalty as a string": (
+        "/v1/completions",
+        {**GOOD_COMPLETION, "frequency_penalty": "1"},
+        400,
+        "frequency_penalty",
+    ),
+    "logit bias of an unknown token": (
+        "/v1/completions",
+        {**GOOD_COMPLETION, "logit_bias": {"1000000": 1}},
+        400,
+        "logit_bias",
+    ),
+    "logit bias above 100": ("/v1/completions", {**GOOD_COMPLETION, "logit_bias": {"5": 101}}, 400, "logit_bias.5"),
+    "logit bias keyed by a word": ("/v1/completions", {**GOOD_COMPLETION, "logit_bias": {"cat": 1}}, 400, "logit_bias"),
+    "completion logprobs above 5": ("/v1/completions", {**GOOD_COMPLETION, "logprobs": 6}, 400, "logprobs"),
+    "top_logprobs above 20": (
+        "/v1/chat/completions",
+        {**GOOD_CHAT, "logprobs": True, "top_logprobs": 21},
+        400,
+        "top_logprobs",
+    ),
+    "top_logprobs without logprobs": ("/v1/chat/completions", {**GOOD_CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     "no messages": ("/v1/chat/completions", {**GOOD_CHAT, "messages": []}, 400, "messages"),
     "unknown role": (
         "/v1/chat/completions",
@@ -522,7 +598,7 @@ BAD_REQUESTS = {
     ),
     "empty stop sequence": ("/v1/completions", {**GOOD_COMPLETION, "stop": ["x", ""]}, 400, "stop[1]"),
     "seed of 2**64": ("/v1/completions", {**GOOD_COMPLETION, "seed": 2**64}, 400, "seed"),
-    "negative seed": ("/v1/completions", {**GOOD_COMPLETION, "seed": -1}, 400, "seed"),
+    "seed below -2**63": ("/v1/completions", {**GOOD_COMPLETION, "seed": -(2**63) - 1}, 400, "seed"),
     "stream_options without stream": (
         "/v1/completions",
         {**GOOD_COMPLETION, "stream_options": {"include_usage": True}},

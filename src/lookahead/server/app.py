@@ -26,6 +26,7 @@ from .errors import APIError
 from .exchange import Exchange
 from .generation import Plan, plan_chat, plan_completion
 from .guard import LimitBody, RequireApiKey
+from .logprobs import LogprobFormat
 from .metrics import CountRequests, Metrics, labelled
 from .persistence import TrieSaver
 from .scheduler import Job, QueueFull, Scheduler, Stopping
@@ -131,7 +132,8 @@ def create_app(engine: LookaheadEngine, settings: ServerSettings, sharing: TrieS
             message = f"the server is busy ({scheduler.waiting} requests waiting); retry later"
             raise APIError(503, message, code="queue_full", headers={"Retry-After": str(full.retry_after)}) from None
         metrics.prompt_tokens.inc(len(plan.prompt_ids))
-        exchange = Exchange(request, job, plan, reply)
+        logprobs = LogprobFormat(engine.tokenizer, reply.chat) if "logprobs" in plan.options else None
+        exchange = Exchange(request, job, plan, reply, logprobs)
         first = await exchange.first()
         if not body.stream:
             return JSONResponse(await exchange.whole())

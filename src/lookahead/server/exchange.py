@@ -16,9 +16,11 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
+from ..decoding.sampling import TokenLogprob
 from .errors import APIError, error_body
 from .generation import Plan
-from .scheduler import Cancelled, Job
+from .logprobs import LogprobFormat
+from .scheduler import Cancelled, Delta, Job
 from .schemas import Reply, sse, usage
 
 log = logging.getLogger("lookahead.server")
@@ -41,11 +43,17 @@ def failure(err: Exception, client_left: bool = False) -> APIError:
 
 
 class Exchange:
-    def __init__(self, request: Request, job: Job, plan: Plan, reply: Reply) -> None:
+    def __init__(self, request: Request, job: Job, plan: Plan, reply: Reply, logprobs: LogprobFormat | None) -> None:
         self.job, self.plan, self.reply = job, plan, reply
+        self.logprobs = logprobs
+        """How log-probabilities are rendered, when the request asked for them."""
         self.client_left = False
         self._watcher = asyncio.create_task(self._cancel_on_disconnect(request))
         self._deltas = job.deltas()
+        self._sent = [0] * plan.choices
+        """Per choice, token records streamed so far."""
+        self._offsets = [0] * plan.choices
+        """Per choice, the text offset of its next streamed token (completions' `text_offset`)."""
 
     async def _cancel_on_disconnect(self, request: Request) -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -60,8 +68,8 @@ class Exchange:
     def usage(self) -> dict[str, int]:
         return usage(len(self.plan.prompt_ids), sum(len(output.token_ids) for output in self.job.outputs))
 
-    async def first(self) -> tuple[int, str] | None:
-        """The first (choice, text delta); None if the answer is empty. An error here still gets its status code."""
+    async def first(self) -> Delta | None:
+        """The first text delta; None if the answer is empty. An error here still gets its status code."""
         return await self._next_or_fail(anext(self._deltas, None))
 
     async def whole(self) -> dict:
@@ -73,24 +81,28 @@ class Exchange:
 
         await self._next_or_fail(drain())
         self.close()
-        return self.reply.full([(output.text, output.finish_reason) for output in self.job.outputs], self.usage())
+        choices = [(out.text, out.finish_reason, self._body(0, out.logprobs)) for out in self.job.outputs]
+        return self.reply.full(choices, self.usage())
 
-    async def events(self, first: tuple[int, str] | None, include_usage: bool) -> AsyncIterator[str]:
+    async def events(self, first: Delta | None, include_usage: bool) -> AsyncIterator[str]:
         """The answer as OpenAI stream chunks, ending with `[DONE]`; an error after the headers is an event
-        before it (when the client is still there to read it)."""
+        before it (when the client is still there to read it). A chunk carries the log-probabilities of the
+        tokens generated since the choice's previous chunk; its closing chunk, any left."""
         opened: set[int] = set()
 
-        def chunk(index: int, text: str | None = None, finish_reason: str | None = None) -> str:
-            body = self.reply.chunk(index, text, finish_reason, first=index not in opened)
+        def chunk(delta: Delta, finish_reason: str | None = None) -> str:
+            index = delta.index
+            body = self.reply.chunk(index, delta.text, finish_reason, index not in opened, self._streamed(delta))
             opened.add(index)
             return sse(body)
 
         try:
-            yield chunk(*(first or (0, None)))
-            async for index, delta in self._deltas:
-                yield chunk(index, delta)
+            yield chunk(first or Delta(0, ""))
+            async for delta in self._deltas:
+                yield chunk(delta)
             for index, output in enumerate(self.job.outputs):
-                yield chunk(index, finish_reason=output.finish_reason)
+                rest = output.logprobs[self._sent[index] :] if output.logprobs is not None else None
+                yield chunk(Delta(index, "", rest), output.finish_reason)
             if include_usage:
                 yield sse(self.reply.usage_chunk(self.usage()))
         except Exception as err:
@@ -101,6 +113,18 @@ class Exchange:
         finally:
             self.close()
         yield sse("[DONE]")
+
+    def _streamed(self, delta: Delta) -> dict | None:
+        if delta.logprobs is None:
+            return None
+        body = self._body(self._offsets[delta.index], delta.logprobs)
+        self._sent[delta.index] += len(delta.logprobs)
+        if self.logprobs is not None:
+            self._offsets[delta.index] += self.logprobs.text_length(delta.logprobs)
+        return body
+
+    def _body(self, offset: int, records: list[TokenLogprob] | None) -> dict | None:
+        return None if records is None or self.logprobs is None else self.logprobs.body(records, offset)
 
     async def _next_or_fail(self, step: Awaitable[T]) -> T:
         try:

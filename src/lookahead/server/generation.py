@@ -82,13 +82,33 @@ def _plan(
             f"{context} tokens; at most {context - len(ids)} new tokens fit"
         )
         raise APIError(400, message, limit_param, "context_length_exceeded")
+    vocab = engine.backend.vocab_size
+    if bad := [key for key in request.logit_bias or {} if int(key) >= vocab]:
+        message = f"logit_bias: token ids outside the vocabulary of {vocab}: {', '.join(bad[:5])}"
+        raise APIError(400, message, "logit_bias", "invalid_value")
     return Plan(ids, max_tokens, engine_options(request), request.n or 1)
 
 
 def engine_options(request: GenerationRequest) -> dict[str, Any]:
-    """Keyword arguments for the engine (temperature 0 means greedy).
+    """Keyword arguments for the engine (temperature 0 means greedy; penalties and bias apply to both).
 
     OpenAI's default temperature is 1, so a request that does not set it samples, as it would there.
     """
     temperature = 1.0 if request.temperature is None else request.temperature
-    return request_options(temperature, request.top_p, seed=request.seed, stop=request.stop)
+    options = request_options(temperature, request.top_p, seed=request.seed, stop=request.stop)
+    if request.presence_penalty:
+        options["presence_penalty"] = request.presence_penalty
+    if request.frequency_penalty:
+        options["frequency_penalty"] = request.frequency_penalty
+    if request.logit_bias:
+        options["logit_bias"] = {int(token): bias for token, bias in request.logit_bias.items()}
+    if (alternatives := logprobs_asked(request)) is not None:
+        options["logprobs"] = alternatives
+    return options
+
+
+def logprobs_asked(request: GenerationRequest) -> int | None:
+    """Alternatives per token the request wants with its log-probabilities (None: no log-probabilities)."""
+    if isinstance(request, ChatRequest):
+        return (request.top_logprobs or 0) if request.logprobs else None
+    return request.logprobs if isinstance(request, CompletionRequest) else None

@@ -21,10 +21,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..decoding.batch import Batch
 from ..decoding.generation import Generation, GenerationOutput
+from ..decoding.sampling import TokenLogprob
 
 log = logging.getLogger("lookahead.server")
 
@@ -49,6 +50,14 @@ class Cancelled(Exception):
     """The job was cancelled (its client left, or the server is stopping)."""
 
 
+class Delta(NamedTuple):
+    """New text of one choice, and (when asked for) the log-probabilities of the tokens it came from."""
+
+    index: int
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+
+
 class Job:
     """One request's generations (one per choice): the worker fills it, the request's coroutine drains it."""
 
@@ -59,6 +68,8 @@ class Job:
         self._events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self.cancelled = False
         self.label = label
+        self._handed_out = [0] * len(self.generations)
+        """Per choice, the tokens whose log-probabilities went out with a delta."""
         self.outputs: list[GenerationOutput] = []
         """What each choice's generation returned, once all of them ended."""
         self.outcome = "waiting"
@@ -71,8 +82,8 @@ class Job:
         """Leave the queue, or the batch before its next step; harmless once finished."""
         self._scheduler._cancel(self)
 
-    async def deltas(self) -> AsyncIterator[tuple[int, str]]:
-        """(choice index, text delta) as the worker produces them; raises Cancelled, or the worker's error."""
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Each choice's text deltas as the worker produces them; raises Cancelled, or the worker's error."""
         while True:
             kind, value = await self._events.get()
             if kind == "delta":
@@ -83,6 +94,16 @@ class Job:
                 raise value
             else:
                 raise Cancelled
+
+    def delta(self, generation: Generation, piece: str) -> Delta:
+        """`piece` of `generation`'s text, with the log-probabilities of its tokens not yet handed out (if asked)."""
+        index = self.generations.index(generation)
+        chooser = generation.chooser
+        if chooser is None or chooser.logprobs is None:
+            return Delta(index, piece)
+        start, end = self._handed_out[index], len(generation.transcript.tokens)
+        self._handed_out[index] = end
+        return Delta(index, piece, chooser.chosen[start:end])
 
     def _push(self, kind: str, value: Any = None) -> None:
         """Thread-safe hand-over to the request's event loop (gone already if the server stopped)."""
@@ -269,7 +290,7 @@ class Scheduler:
             if job is None or job.cancelled:
                 continue
             if piece := generation.transcript.delta():
-                job._push("delta", (job.generations.index(generation), piece))
+                job._push("delta", job.delta(generation, piece))
             if generation.done:
                 with self._cond:
                     del self._running[generation]

@@ -2,8 +2,8 @@
 
 Requests are checked strictly (a string is not a number) so that a wrong type is a 400 naming
 the parameter, not a guess; fields this server does not know are ignored, as OpenAI's own
-clients send more than any one server uses. Options it knows but cannot honour (several
-choices, log-probabilities, penalties) are refused by name rather than silently dropped.
+clients send more than any one server uses. Options it knows but cannot honour (echo, best_of,
+suffix, tools) are refused by name rather than silently dropped.
 Text the server reads must be valid Unicode: JSON can carry a lone UTF-16 surrogate
 (`"\\ud800"`), which no tokenizer or UTF-8 encoder accepts.
 """
@@ -65,14 +65,24 @@ class GenerationRequest(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    seed: int | None = Field(None, ge=-SEED_LIMIT // 2, lt=SEED_LIMIT)
+    """Any int64 (and unsigned 64-bit): a negative seed draws as seed + 2**64."""
     stop: Annotated[list[StopText], Field(max_length=4)] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1, le=16)
-    presence_penalty: _neutral(float, 0, why="penalties are not applied") = None
-    frequency_penalty: _neutral(float, 0, why="penalties are not applied") = None
-    logit_bias: _neutral(dict[str, float], {}, why="logit bias is not applied") = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        """OpenAI's keys are token ids written as strings."""
+        for key in value or {}:
+            if not key.isdigit() or not key.isascii():
+                raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -118,7 +128,8 @@ class CompletionRequest(GenerationRequest):
     prompt: Annotated[str | list[int], Field(union_mode="left_to_right"), WithJsonSchema(_PROMPT_SCHEMA)]
     echo: _neutral(bool, False, why="the prompt is not echoed") = None
     best_of: _neutral(int, 1, why="one candidate per request") = None
-    logprobs: _neutral(int, 0, why="log-probabilities are not returned") = None
+    logprobs: int | None = Field(None, ge=0, le=5)
+    """Each token's log-probability and this many likeliest alternatives (OpenAI's limit is 5)."""
     suffix: _neutral(str, "", why="insertion is not supported") = None
 
     @field_validator("prompt", mode="before")
@@ -153,8 +164,16 @@ class Message(_Strict):
 class ChatRequest(GenerationRequest):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: _neutral(bool, False, why="log-probabilities are not returned") = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: _neutral(list, [], why="tool calls are not supported") = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _with_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("only allowed when logprobs is true")
+        return value
 
     @property
     def token_limit(self) -> int | None:
@@ -190,30 +209,37 @@ class Reply:
     def _envelope(self, kind: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def full(self, choices: list[tuple[str, str]], counts: dict[str, int]) -> dict:
-        """The whole answer of a non-streaming request: (text, finish reason) of each choice."""
+    def full(self, choices: list[tuple[str, str, dict | None]], counts: dict[str, int]) -> dict:
+        """The whole answer of a non-streaming request: (text, finish reason, log-probabilities) of each choice."""
         if self.chat:
             bodies = [
-                {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": end}
-                for i, (text, end) in enumerate(choices)
-            ]
+                {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                 "finish_reason": end}
+                for i, (text, end, logprobs) in enumerate(choices)
+            ]  # fmt: skip
             return {**self._envelope("chat.completion", bodies), "usage": counts}
         bodies = [
-            {"index": i, "text": text, "logprobs": None, "finish_reason": end} for i, (text, end) in enumerate(choices)
+            {"index": i, "text": text, "logprobs": logprobs, "finish_reason": end}
+            for i, (text, end, logprobs) in enumerate(choices)
         ]
         return {**self._envelope("text_completion", bodies), "usage": counts}
 
     def chunk(
-        self, index: int = 0, text: str | None = None, finish_reason: str | None = None, first: bool = False
+        self,
+        index: int = 0,
+        text: str | None = None,
+        finish_reason: str | None = None,
+        first: bool = False,
+        logprobs: dict | None = None,
     ) -> dict:
         """One stream chunk of choice `index`: a text delta, or (with `finish_reason`) its closing one."""
         if not self.chat:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
             return self._envelope("text_completion", [choice])
         delta: dict[str, str] = {"role": "assistant", "content": ""} if first else {}
         if text:
             delta["content"] = text
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._envelope("chat.completion.chunk", [choice])
 
     def usage_chunk(self, counts: dict[str, int]) -> dict:
