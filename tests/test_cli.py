@@ -1,6 +1,7 @@
 """The `lookahead` command as a user runs it: a real process, real output, real exit codes."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -40,6 +41,16 @@ def test_generate_compare_prints_the_first_time_and_the_asked_again_speedups():
     again = next(line for line in lines if line.startswith("asked again:"))
     assert "speedup" in first and "tokens per forward pass" in first and "median of 3 rounds" in first
     assert "speedup" in again and "identical to plain: yes" in lines
+
+
+@pytest.mark.slow
+def test_show_drafts_prints_the_answer_a_legend_and_the_tokens_per_step():
+    plain = run("generate", "--max-new-tokens", "24", "def add(a, b): return a + b")
+    shown = run("generate", "--show-drafts", "--max-new-tokens", "24", "def add(a, b): return a + b")
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout == plain.stdout, "the same text, coloured only on a terminal"
+    assert "drafted from: model prompt answers corpus recycled" in shown.stderr
+    assert re.search(r"\d+ tokens in \d+ steps \([\d.]+ tokens per step\): model \d+", shown.stderr)
 
 
 def test_config_sets_the_drafter_and_the_flags_go_over_it(capsys):

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .trie_cli import add_trie_parser
 
@@ -86,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--decoding-length", type=_positive, default=None, help="most draft nodes per step")
     generate.add_argument("--branch-length", type=_positive, default=None, help="deepest draft path")
     generate.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    generate.add_argument(
+        "--show-drafts", action="store_true",
+        help="colour each token by where its draft came from (this prompt, earlier answers, a corpus, the model)",
+    )  # fmt: skip
     _add_config_option(generate)
     _add_sampling_options(generate)
 
@@ -183,9 +188,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stream = engine.stream(ids, args.max_new_tokens, **options)  # checks the options before any work
     engine.generate(ids, max_new_tokens=2, use_lookahead=False)  # warm-up: first calls pay one-off costs
     clock = time.perf_counter()
-    for delta in stream:
-        print(delta, end="", flush=True)
-    print()
+    show = _show_drafts(engine, stream) if args.show_drafts else _print_text(stream)
+    show()
     fast_s = time.perf_counter() - clock
     mode = f"{engine.draft_mode} drafts"
     if not args.compare:
@@ -206,6 +210,39 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     print("\n".join(result.lines(mode)))
     return 0 if result.identical else 1
+
+
+def _print_text(stream) -> Callable[[], None]:
+    def show() -> None:
+        for delta in stream:
+            print(delta, end="", flush=True)
+        print()
+
+    return show
+
+
+def _show_drafts(engine, stream) -> Callable[[], None]:
+    """Each kept token in its source's colour, a legend first and the tokens per step last (on stderr)."""
+    from rich.console import Console
+    from rich.text import Text
+
+    from .sourceview import COLOURS, SourceView
+
+    out, err = Console(highlight=False), Console(stderr=True, highlight=False)
+    view = SourceView(lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def show() -> None:
+        legend = Text("drafted from: ")
+        for name, colour in COLOURS.items():
+            legend.append(f"{name} ", style=colour)
+        err.print(legend)
+        for _ in itertools.chain(stream, [None]):  # then the tokens that made no text of their own
+            for piece, name in view.add(stream.tokens, stream.sources):
+                out.print(Text(piece, style=COLOURS[name]), end="")
+        out.print()
+        err.print(view.summary(stream.steps))
+
+    return show
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

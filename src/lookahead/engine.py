@@ -51,7 +51,23 @@ class TextStream:
 
     def __init__(self, steps: Iterator[list[int]], generation: Generation) -> None:
         self.output: GenerationOutput | None = None
+        self._generation = generation
         self._deltas = self._run(steps, generation)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The new tokens kept so far."""
+        return self._generation.transcript.tokens
+
+    @property
+    def sources(self) -> list[int]:
+        """Per kept token, its draft's source flags (0: the model's own; sourceview.py names them)."""
+        return self._generation.sources
+
+    @property
+    def steps(self) -> int:
+        """Forward passes after the prompt so far."""
+        return self._generation.stats.steps
 
     def _run(self, steps: Iterator[list[int]], generation: Generation) -> Iterator[str]:
         for _ in steps:

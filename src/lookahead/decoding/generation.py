@@ -65,6 +65,9 @@ class GenerationOutput:
     """'stop': end-of-sequence, a stop token or a stop string; 'length': max_new_tokens reached."""
     logprobs: list[TokenLogprob] | None = None
     """Per new token, its log-probability and the likeliest alternatives (when asked for: `logprobs=k`)."""
+    sources: list[int] = field(default_factory=list)
+    """Per new token, the source flags of the draft node it was accepted from (drafting/ngrams.py); 0: the model's
+    own token at the end of a step (drafting.ngrams.source_name names them)."""
 
 
 class Generation:
@@ -91,6 +94,8 @@ class Generation:
         self.prefilled = 0
         """Prompt tokens read into the cache so far (a long prompt is read in chunks, between steps)."""
         self.stats = GenerationStats()
+        self.sources: list[int] = []
+        """Per kept token, its draft node's source flags (0: the model's own token)."""
 
     @property
     def done(self) -> bool:
@@ -101,9 +106,13 @@ class Generation:
         """Tokens this generation may still emit."""
         return self.max_new_tokens - self.stats.new_tokens
 
-    def take(self, emitted: Sequence[int]) -> list[int]:
-        """Keep one step's tokens up to the first that ends the generation; the drafter learns them."""
+    def take(self, emitted: Sequence[int], sources: Sequence[int] = ()) -> list[int]:
+        """Keep one step's tokens up to the first that ends the generation; the drafter learns them.
+
+        `sources`: the source flags of the accepted draft tokens, in order (the rest are the model's own).
+        """
         kept = self.transcript.extend(emitted)
+        self.sources.extend([*sources[: len(kept)], *[0] * (len(kept) - len(sources))])
         self.tokens.extend(kept)
         self.stats.new_tokens += len(kept)
         if self.drafter is not None:
@@ -117,5 +126,6 @@ class Generation:
         chooser = self.chooser
         logprobs = None if chooser is None or chooser.logprobs is None else chooser.chosen[: len(transcript.tokens)]
         return GenerationOutput(
-            list(transcript.tokens), transcript.text, self.stats, transcript.finish_reason or "length", logprobs
-        )
+            list(transcript.tokens), transcript.text, self.stats, transcript.finish_reason or "length", logprobs,
+            list(self.sources),
+        )  # fmt: skip

@@ -95,7 +95,7 @@ def step(generations: Sequence[Generation], verifier: Verifier, drafting: Drafti
         stats.draft_tokens += len(tree)
         stats.accepted_histogram[len(accepted)] += 1
         stats.sent_histogram[len(tree)] += 1
-        kept.append(generation.take(emitted))
+        kept.append(generation.take(emitted, [tree.sources[node - 1] for node in accepted]))  # block i: node i - 1
     return kept
 
 

@@ -28,6 +28,18 @@ MAX_TOKEN = (1 << TOKEN_BITS) - 1
 OUTPUT, CORPUS, PROMPT, RECYCLED = 1, 2, 4, 8
 """Source flags of a node: seen in a model's output, inserted from a corpus, in the request's prompt; a draft
 node may also be RECYCLED, among the model's own likeliest next tokens (recycled.py; never a trie node's flag)."""
+SOURCE_NAMES = ("model", "prompt", "answers", "corpus", "recycled")
+"""What a token's source flags are called where people see them (source_name); "model": no draft, the step's own."""
+
+
+def source_name(flags: int) -> str:
+    """The one name of a node's flags, the likeliest to be right first: prompt, earlier answers, corpus, recycled."""
+    for flag, name in ((PROMPT, "prompt"), (OUTPUT, "answers"), (CORPUS, "corpus"), (RECYCLED, "recycled")):
+        if flags & flag:
+            return name
+    return "model"
+
+
 SHARED_SOURCES = (OUTPUT, CORPUS, OUTPUT | CORPUS)
 """The flags a shared (saved) node can have: prompt n-grams are never shared."""
 MAX_COUNT = 1 << 53
