@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup llama-wheel vllm-setup run test lint models bench bench-passes bench-sampling bench-full bench-gpu bench-batch bench-batch-full bench-llama bench-vllm bench-recycled bench-longdoc bench-sharing replay replay-full trie-bench loadcheck
+.PHONY: setup llama-wheel vllm-setup browser run test lint models bench bench-passes bench-sampling bench-full bench-gpu bench-batch bench-batch-full bench-llama bench-vllm bench-recycled bench-longdoc bench-sharing replay replay-full trie-bench loadcheck
 
 setup: $(STAMP)
 
@@ -54,10 +54,20 @@ $(VLLM_STAMP): pyproject.toml Makefile
 run: setup
 	$(BIN)/lookahead generate --compare
 
+# The server page's test drives the distribution's Chromium (Debian and Ubuntu: chromium, chromium-driver; about
+# 500 MB). Elsewhere install Chromium and chromedriver yourself; without them that test is skipped, saying why.
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+		if command -v apt-get >/dev/null; then \
+			$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver || \
+			{ $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; }; \
+		else echo "no apt-get here: install Chromium and chromedriver to run the page's browser test"; fi; }
+
 # pytest exits 5 when it collects nothing; that is not a failure of the set-up. The vLLM tests (skipped in
 # the first run, which has no vLLM) run second, in vLLM's environment, with one engine.
 VLLM_TESTS := tests/test_vllm_engine.py tests/test_vllm_proposer.py
-test: setup $(if $(filter 1,$(VLLM)),vllm-setup)
+test: setup browser $(if $(filter 1,$(VLLM)),vllm-setup)
 	$(BIN)/python -m pytest -q; status=$$?; [ $$status -eq 5 ] && status=0; \
 	if [ "$(VLLM)" = 1 ]; then $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider $(VLLM_TESTS) || status=1; fi; \
 	exit $$status

@@ -326,6 +326,25 @@ def test_completion_logprobs_have_tokens_offsets_and_alternatives(client, engine
     assert [offset for part in streamed for offset in part.text_offset] == logprobs.text_offset
 
 
+def test_sources_come_only_to_a_client_that_asks(client, engine, url):
+    call = {"model": MODEL, "messages": [{"role": "user", "content": "Say: one two three one two three"}],
+            "max_tokens": TOKENS, "temperature": 0, "stream": True}  # fmt: skip
+    plain = [chunk.choices[0].model_extra for chunk in client.chat.completions.create(**call) if chunk.choices]
+    assert all("lookahead" not in extra for extra in plain)
+    chunks = [c.choices[0] for c in client.chat.completions.create(**call, extra_body={"lookahead_sources": True})
+              if c.choices]  # fmt: skip
+    parts = [choice.model_extra["lookahead"] for choice in chunks]
+    text = "".join(choice.delta.content or "" for choice in chunks)
+    assert "".join(piece["text"] for part in parts for piece in part["pieces"]) == text
+    assert {piece["source"] for part in parts for piece in part["pieces"]} <= {"model", "prompt", "answers", "corpus",
+                                                                              "recycled"}  # fmt: skip
+    assert sum(part["tokens"] for part in parts) == len(engine.chat(call["messages"], TOKENS).token_ids)
+    assert parts[-1]["steps"] >= 1
+    page = httpx.get(f"{url}/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert f'const MODEL = "{MODEL}";' in page.text
+
+
 def test_penalties_and_logit_bias_are_the_engines(client, engine):
     prompt = "Write a list of fruits:"
     bias = {str(engine.encode(" apple")[0]): -100.0}

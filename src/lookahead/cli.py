@@ -237,7 +237,7 @@ def _show_drafts(engine, stream) -> Callable[[], None]:
             legend.append(f"{name} ", style=colour)
         err.print(legend)
         for _ in itertools.chain(stream, [None]):  # then the tokens that made no text of their own
-            for piece, name in view.add(stream.tokens, stream.sources):
+            for piece, name in view.add(stream.tokens[view.taken :], stream.sources[view.taken :]):
                 out.print(Text(piece, style=COLOURS[name]), end="")
         out.print()
         err.print(view.summary(stream.steps))

@@ -31,10 +31,15 @@ class SourceView:
         """Tokens whose text went out."""
         self.counts: Counter[str] = Counter()
 
+    @property
+    def taken(self) -> int:
+        """Tokens added so far."""
+        return len(self._tokens)
+
     def add(self, tokens: Sequence[int], sources: Sequence[int]) -> list[tuple[str, str]]:
-        """Pieces for the tokens of `tokens` past those already added (`sources`: their flags, same length)."""
+        """Pieces for these new tokens (`sources`: their flags, one each), as far as their text is complete."""
         pieces = []
-        for token, flags in zip(tokens[len(self._tokens) :], sources[len(self._tokens) :], strict=True):
+        for token, flags in zip(tokens, sources, strict=True):
             self._tokens.append(token)
             name = source_name(flags)
             self.counts[name] += 1

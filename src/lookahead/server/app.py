@@ -10,17 +10,20 @@ answers new and queued requests 503 and gives the running ones a bounded time to
 from __future__ import annotations
 
 import asyncio
+import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from importlib import resources
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..sharing import TrieSync
+from ..sourceview import SourceView
 from . import errors, openapi
 from .errors import APIError
 from .exchange import Exchange
@@ -35,7 +38,7 @@ from .schemas import ChatRequest, CompletionRequest, GenerationRequest, Reply
 if TYPE_CHECKING:
     from ..engine import LookaheadEngine
 
-ROUTES = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
+ROUTES = {"/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,10 @@ def create_app(engine: LookaheadEngine, settings: ServerSettings, sharing: TrieS
     app.add_middleware(CountRequests, metrics=metrics, routes=ROUTES)
     app.state.drain = lambda interrupted: scheduler.drain(settings.drain_timeout_s, interrupted)
     started = int(time.time())
+
+    def decode_text(ids: Sequence[int]) -> str:
+        return engine.tokenizer.decode(ids, skip_special_tokens=True)
+
     card = {"id": settings.model_name, "object": "model", "created": started, "owned_by": "lookahead"}
 
     def check_model(name: str) -> None:
@@ -133,12 +140,20 @@ def create_app(engine: LookaheadEngine, settings: ServerSettings, sharing: TrieS
             raise APIError(503, message, code="queue_full", headers={"Retry-After": str(full.retry_after)}) from None
         metrics.prompt_tokens.inc(len(plan.prompt_ids))
         logprobs = LogprobFormat(engine.tokenizer, reply.chat) if "logprobs" in plan.options else None
-        exchange = Exchange(request, job, plan, reply, logprobs)
+        views = [SourceView(decode_text) for _ in range(plan.choices)] if body.lookahead_sources else None
+        exchange = Exchange(request, job, plan, reply, logprobs, views)
         first = await exchange.first()
         if not body.stream:
             return JSONResponse(await exchange.whole())
         events = exchange.events(first, body.include_usage)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    page = _page(settings.model_name)
+
+    @app.get("/", response_class=HTMLResponse, responses=openapi.PAGE)
+    async def home() -> HTMLResponse:
+        """A page to try the server in a browser: the answer streams, each token coloured by its draft's source."""
+        return HTMLResponse(page)
 
     @app.get("/health", response_model=None, responses=openapi.HEALTH)
     async def health() -> JSONResponse:
@@ -182,3 +197,9 @@ def create_app(engine: LookaheadEngine, settings: ServerSettings, sharing: TrieS
         return await answer(request, body, plan, Reply(chat=True, model=settings.model_name), "chat")
 
     return app
+
+
+def _page(model_name: str) -> str:
+    """The page, its model name written in as a JavaScript string (no `<` in it, so it cannot end the script)."""
+    text = resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8")
+    return text.replace('/*MODEL*/""', json.dumps(model_name).replace("<", "\\u003c"))

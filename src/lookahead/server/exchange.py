@@ -16,7 +16,9 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
+from ..decoding.generation import GenerationOutput
 from ..decoding.sampling import TokenLogprob
+from ..sourceview import SourceView
 from .errors import APIError, error_body
 from .generation import Plan
 from .logprobs import LogprobFormat
@@ -43,15 +45,25 @@ def failure(err: Exception, client_left: bool = False) -> APIError:
 
 
 class Exchange:
-    def __init__(self, request: Request, job: Job, plan: Plan, reply: Reply, logprobs: LogprobFormat | None) -> None:
+    def __init__(
+        self,
+        request: Request,
+        job: Job,
+        plan: Plan,
+        reply: Reply,
+        logprobs: LogprobFormat | None,
+        views: list[SourceView] | None = None,
+    ) -> None:
         self.job, self.plan, self.reply = job, plan, reply
         self.logprobs = logprobs
         """How log-probabilities are rendered, when the request asked for them."""
+        self.views = views
+        """Per choice, its tokens' sources as named text pieces, when the request asked for them."""
         self.client_left = False
         self._watcher = asyncio.create_task(self._cancel_on_disconnect(request))
         self._deltas = job.deltas()
         self._sent = [0] * plan.choices
-        """Per choice, token records streamed so far."""
+        """Per choice, tokens streamed so far (their log-probabilities and sources went with them)."""
         self._offsets = [0] * plan.choices
         """Per choice, the text offset of its next streamed token (completions' `text_offset`)."""
 
@@ -92,7 +104,8 @@ class Exchange:
 
         def chunk(delta: Delta, finish_reason: str | None = None) -> str:
             index = delta.index
-            body = self.reply.chunk(index, delta.text, finish_reason, index not in opened, self._streamed(delta))
+            logprobs, sources = self._streamed(delta), self._sources(delta)
+            body = self.reply.chunk(index, delta.text, finish_reason, index not in opened, logprobs, sources)
             opened.add(index)
             return sse(body)
 
@@ -101,8 +114,7 @@ class Exchange:
             async for delta in self._deltas:
                 yield chunk(delta)
             for index, output in enumerate(self.job.outputs):
-                rest = output.logprobs[self._sent[index] :] if output.logprobs is not None else None
-                yield chunk(Delta(index, "", rest), output.finish_reason)
+                yield chunk(self._rest(index, output), output.finish_reason)
             if include_usage:
                 yield sse(self.reply.usage_chunk(self.usage()))
         except Exception as err:
@@ -114,14 +126,28 @@ class Exchange:
             self.close()
         yield sse("[DONE]")
 
+    def _rest(self, index: int, output: GenerationOutput) -> Delta:
+        """What the closing chunk of choice `index` carries: the tokens no delta took (an end-of-sequence, say)."""
+        sent = self._sent[index]
+        logprobs = output.logprobs[sent:] if output.logprobs is not None else None
+        return Delta(index, "", logprobs, output.token_ids[sent:], output.sources[sent:], output.stats.steps)
+
     def _streamed(self, delta: Delta) -> dict | None:
+        self._sent[delta.index] += len(delta.tokens)
         if delta.logprobs is None:
             return None
         body = self._body(self._offsets[delta.index], delta.logprobs)
-        self._sent[delta.index] += len(delta.logprobs)
         if self.logprobs is not None:
             self._offsets[delta.index] += self.logprobs.text_length(delta.logprobs)
         return body
+
+    def _sources(self, delta: Delta) -> dict | None:
+        """The `lookahead` extension of a chunk: its tokens' text pieces by source, and the choice's steps so far."""
+        if self.views is None:
+            return None
+        pieces = self.views[delta.index].add(delta.tokens, delta.sources)
+        return {"pieces": [{"text": text, "source": name} for text, name in pieces], "tokens": len(delta.tokens),
+                "steps": delta.steps}  # fmt: skip
 
     def _body(self, offset: int, records: list[TokenLogprob] | None) -> dict | None:
         return None if records is None or self.logprobs is None else self.logprobs.body(records, offset)

@@ -96,11 +96,26 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class SourcePiece(BaseModel):
+    text: str
+    source: str
+    """Where the tokens' draft came from: model (the step's own token), prompt, answers, corpus or recycled."""
+
+
+class SourcePieces(BaseModel):
+    """The `lookahead_sources` extension of a stream chunk: its text by draft source, and the steps so far."""
+
+    pieces: list[SourcePiece]
+    tokens: int
+    steps: int
+
+
 class CompletionChunkChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
+    lookahead: SourcePieces | None = None
 
 
 class CompletionChunk(BaseModel):
@@ -124,6 +139,7 @@ class ChatChunkChoice(BaseModel):
     delta: Delta
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason | None
+    lookahead: SourcePieces | None = None
 
 
 class ChatChunk(BaseModel):
@@ -206,6 +222,13 @@ CHAT = _generation(ChatCompletion, ChatChunk)
 MODEL_LIST = {200: {"model": ModelList}, **_errors(401, 500)}
 MODEL_CARD = {200: {"model": ModelCard}, **_errors(401, 404, 500)}
 HEALTH = {200: {"model": Health}, 503: {"model": Health, "description": "The server is stopping"}, **_errors(500)}
+PAGE = {
+    200: {
+        "description": "A page to try the server in a browser (HTML with its script, nothing fetched from elsewhere)",
+        "content": {"text/html": {"schema": {"type": "string"}}},
+    },
+    **_errors(500),
+}
 PROMETHEUS = {
     200: {
         "description": "The metrics in Prometheus' text exposition format",

@@ -51,11 +51,16 @@ class Cancelled(Exception):
 
 
 class Delta(NamedTuple):
-    """New text of one choice, and (when asked for) the log-probabilities of the tokens it came from."""
+    """New text of one choice, the tokens it came from (those not handed out before) and their draft sources."""
 
     index: int
     text: str
     logprobs: list[TokenLogprob] | None = None
+    """The tokens' log-probabilities, when the request asked for them."""
+    tokens: Sequence[int] = ()
+    sources: Sequence[int] = ()
+    steps: int = 0
+    """The generation's forward passes after its prompt, so far."""
 
 
 class Job:
@@ -69,7 +74,7 @@ class Job:
         self.cancelled = False
         self.label = label
         self._handed_out = [0] * len(self.generations)
-        """Per choice, the tokens whose log-probabilities went out with a delta."""
+        """Per choice, the tokens that went out with a delta."""
         self.outputs: list[GenerationOutput] = []
         """What each choice's generation returned, once all of them ended."""
         self.outcome = "waiting"
@@ -96,14 +101,14 @@ class Job:
                 raise Cancelled
 
     def delta(self, generation: Generation, piece: str) -> Delta:
-        """`piece` of `generation`'s text, with the log-probabilities of its tokens not yet handed out (if asked)."""
+        """`piece` of `generation`'s text, with its tokens not yet handed out."""
         index = self.generations.index(generation)
-        chooser = generation.chooser
-        if chooser is None or chooser.logprobs is None:
-            return Delta(index, piece)
         start, end = self._handed_out[index], len(generation.transcript.tokens)
         self._handed_out[index] = end
-        return Delta(index, piece, chooser.chosen[start:end])
+        chooser = generation.chooser
+        logprobs = None if chooser is None or chooser.logprobs is None else chooser.chosen[start:end]
+        tokens, sources = generation.transcript.tokens[start:end], generation.sources[start:end]
+        return Delta(index, piece, logprobs, tokens, sources, generation.stats.steps)
 
     def _push(self, kind: str, value: Any = None) -> None:
         """Thread-safe hand-over to the request's event loop (gone already if the server stopped)."""

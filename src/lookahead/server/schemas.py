@@ -71,6 +71,8 @@ class GenerationRequest(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1, le=16)
+    lookahead_sources: bool | None = False
+    """An extension: each stream chunk also names where every new token's draft came from (`lookahead`)."""
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
@@ -231,16 +233,22 @@ class Reply:
         finish_reason: str | None = None,
         first: bool = False,
         logprobs: dict | None = None,
+        sources: dict | None = None,
     ) -> dict:
-        """One stream chunk of choice `index`: a text delta, or (with `finish_reason`) its closing one."""
+        """One stream chunk of choice `index`: a text delta, or (with `finish_reason`) its closing one.
+
+        `sources`: the `lookahead` extension (only for a request that asked for it).
+        """
         if not self.chat:
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
-            return self._envelope("text_completion", [choice])
-        delta: dict[str, str] = {"role": "assistant", "content": ""} if first else {}
-        if text:
-            delta["content"] = text
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        return self._envelope("chat.completion.chunk", [choice])
+        else:
+            delta: dict[str, str] = {"role": "assistant", "content": ""} if first else {}
+            if text:
+                delta["content"] = text
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if sources is not None:
+            choice["lookahead"] = sources
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
     def usage_chunk(self, counts: dict[str, int]) -> dict:
         """The extra last chunk OpenAI sends when `stream_options.include_usage` is set."""
