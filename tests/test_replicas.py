@@ -168,6 +168,21 @@ def test_two_replicas_answer_exactly_and_name_themselves(served, references, tok
     _until(lambda: len(_replicas(url)) == 2)  # both post their metrics to the hub
 
 
+@pytest.mark.slow
+def test_the_page_and_its_source_stream_come_through_the_replicas(served, references, tokenizer):
+    _, url, _, _ = served
+    page = httpx.get(f"{url}/", timeout=30)
+    assert page.status_code == 200 and 'id="answer"' in page.text and f'const MODEL = "{MODEL}";' in page.text
+    prompt = PROMPTS[0]
+    stream = _client(url).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=TOKENS, temperature=0, stream=True,
+        extra_body={"lookahead_sources": True},
+    )  # fmt: skip
+    parts = [chunk.choices[0].model_extra["lookahead"] for chunk in stream if chunk.choices]
+    text = "".join(piece["text"] for part in parts for piece in part["pieces"])
+    assert text == tokenizer.decode(references[prompt][1], skip_special_tokens=True)
+
+
 def _replicas(url: str) -> set[str]:
     return set(re.findall(r'replica="([^"]+)"', httpx.get(f"{url}/metrics", timeout=30).text))
 
