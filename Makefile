@@ -81,7 +81,7 @@ models: setup
 	$(BIN)/python -c "from lookahead import load_model; load_model('qwen2.5-coder-0.5b')"
 
 # Results go to benchmarks/<model>/ (JSON, table, plots); BENCHMARKS.md is rebuilt from all of them.
-BENCH_PAGE = $(BIN)/python -m lookahead.bench.report BENCHMARKS.md benchmarks/NOTES.md benchmarks/*/results.json
+BENCH_PAGE = $(BIN)/python -m lookahead.bench.report BENCHMARKS.md benchmarks/SUMMARY.md benchmarks
 
 # Methods side by side: transformers' own generate and prompt lookup, the engine's plain and lookahead decoding,
 # and two variants (a fixed tree; the model's own linear layers instead of packed ones).

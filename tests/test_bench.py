@@ -261,3 +261,33 @@ def test_pass_time_benchmark_times_both_kinds_of_linear_layers(tmp_path):
     assert rows[0]["model_vs_1"] == rows[0]["packed_vs_1"] == 1.0
     assert result["command"].startswith("python -m lookahead.bench.passes")
     assert "| context | width |" in (tmp_path / "passes.md").read_text()
+
+
+def test_the_page_leads_with_the_summary_and_gives_every_result_set_its_command(tmp_path):
+    from lookahead.bench.report import write_page
+
+    root = tmp_path / "benchmarks"
+    env = {"device": "cpu", "machine": "x86_64", "torch_threads": "2", "python": "3.11", "torch": "2",
+           "transformers": "5"}  # fmt: skip
+    run = root / "smollm2-135m"
+    run.mkdir(parents=True)
+    settings = {"max_new_tokens": 8, "limit": 1, "dtype": "float32", "sampling": "greedy"}
+    rows = [{"dataset": "all", "method": "lookahead", "speedup": 1.5}]
+    (run / "results.json").write_text(json.dumps({"model": "m", "command": "lookahead bench", "settings": settings,
+                                                  "environment": env, "results": rows}))  # fmt: skip
+    (run / "results.md").write_text("ignored: results.json is rendered")
+    other = root / "aaa-trie" / "part"
+    other.mkdir(parents=True)
+    (other / "triebench.json").write_text(json.dumps({"command": "python -m x --out y", "environment": env}))
+    (other / "triebench.md").write_text("## Speed\n\n| a |\n|---|\n| 1 |")
+    (other / "plot.png").write_bytes(b"")
+    summary = root / "SUMMARY.md"
+    summary.write_text("# Benchmarks\n\nHow fast: 1.5x.")
+    write_page(summary, root, tmp_path / "BENCHMARKS.md")
+    page = (tmp_path / "BENCHMARKS.md").read_text()
+    assert page.startswith("# Benchmarks\n\nHow fast: 1.5x.")
+    assert page.index("## smollm2-135m") < page.index("## aaa-trie/part"), "the headline sets come first"
+    assert "Command: `python -m x --out y`" in page and "#### Speed" in page
+    assert "![plot](benchmarks/aaa-trie/part/plot.png)" in page
+    assert "| all | lookahead |" in page and "ignored" not in page
+    assert "- [aaa-trie/part](#aaa-triepart)" in page
