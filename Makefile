@@ -54,14 +54,15 @@ $(VLLM_STAMP): pyproject.toml Makefile
 run: setup
 	$(BIN)/lookahead generate --compare
 
-# The server page's test drives the distribution's Chromium (Debian and Ubuntu: chromium, chromium-driver; about
-# 500 MB). Elsewhere install Chromium and chromedriver yourself; without them that test is skipped, saying why.
+# The server page's test drives the distribution's Chromium (Debian: chromium, chromium-driver; about 500 MB).
+# Elsewhere, or if the install fails, install Chromium and chromedriver yourself; without them that test is skipped.
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 browser:
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
 		if command -v apt-get >/dev/null; then \
 			$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver || \
-			{ $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; }; \
+			{ $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; } || \
+			echo "Chromium could not be installed: the page's browser test will be skipped"; \
 		else echo "no apt-get here: install Chromium and chromedriver to run the page's browser test"; fi; }
 
 # pytest exits 5 when it collects nothing; that is not a failure of the set-up. The vLLM tests (skipped in
@@ -98,15 +99,16 @@ bench-sampling: setup
 	$(BENCH_PAGE)
 
 # On a CUDA machine, float32 then bfloat16: one stream (plain, HF prompt lookup, lookahead; GPU_LIMIT prompts per set)
-# and a closed batch of 8 mixed prompts (benchmarks/*qwen2.5-coder-0.5b-cuda-<dtype>/).
+# and a closed batch of 8 mixed prompts (benchmarks/*qwen2.5-coder-0.5b-<GPU_TAG>-<dtype>/; name the device in GPU_TAG).
 GPU_LIMIT ?= 10
+GPU_TAG ?= cuda
 GPU_MODEL := --model qwen2.5-coder-0.5b --device cuda --threads 8
 bench-gpu: models
 	for dtype in float32 bfloat16; do \
 		$(BIN)/lookahead bench $(GPU_MODEL) --dtype $$dtype --limit $(GPU_LIMIT) --datasets code-edit,humaneval,gsm8k,mtbench \
-			--methods plain,hf-prompt-lookup,lookahead --out benchmarks/qwen2.5-coder-0.5b-cuda-$$dtype && \
+			--methods plain,hf-prompt-lookup,lookahead --out benchmarks/qwen2.5-coder-0.5b-$(GPU_TAG)-$$dtype && \
 		$(BIN)/python -m lookahead.bench.closedbench $(GPU_MODEL) --dtype $$dtype --sizes 8 --sets mixed \
-			--out benchmarks/closed-qwen2.5-coder-0.5b-cuda-$$dtype || exit 1; \
+			--out benchmarks/closed-qwen2.5-coder-0.5b-$(GPU_TAG)-$$dtype || exit 1; \
 	done
 	$(BENCH_PAGE)
 

@@ -15,9 +15,10 @@ def test_pieces_name_their_source_and_a_split_character_waits_for_its_end():
     assert view.add([1, 2], [0, PROMPT]) == [("a", "model"), (" b", "prompt")]
     assert view.add([3], [OUTPUT | PROMPT]) == []  # half of "é"
     assert view.add([4, 5], [OUTPUT, RECYCLED]) == [("é", "answers"), ("!", "recycled")]
-    assert view.taken == 5
+    assert view.taken == 5 and view.flush() == []
     assert view.counts == {"model": 1, "prompt": 2, "answers": 1, "recycled": 1}
     assert view.summary(2) == "5 tokens in 2 steps (2.50 tokens per step): model 1, prompt 2, answers 1, recycled 1"
+    assert view.add([3], [PROMPT]) == [] and view.flush() == [("\ufffd", "prompt")]  # an answer cut mid-character
 
 
 def test_every_source_name_has_a_colour():

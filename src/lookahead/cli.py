@@ -239,6 +239,8 @@ def _show_drafts(engine, stream) -> Callable[[], None]:
         for _ in itertools.chain(stream, [None]):  # then the tokens that made no text of their own
             for piece, name in view.add(stream.tokens[view.taken :], stream.sources[view.taken :]):
                 out.print(Text(piece, style=COLOURS[name]), end="")
+        for piece, name in view.flush():
+            out.print(Text(piece, style=COLOURS[name]), end="")
         out.print()
         err.print(view.summary(stream.steps))
 

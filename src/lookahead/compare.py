@@ -4,18 +4,19 @@ Lookahead drafts from what its trie has seen, and a generation teaches the trie 
 answer, so the same prompt asked twice is far faster the second time. The headline is the
 first-time figure: each round drafts with a fresh trie on the same model (the streamed run is
 the first round). The asked-again figure is shown apart, labelled. Plain decoding runs
-between them in every round, medians are reported, and a busy machine (load average above its
-core count) is named, since its figures are noise.
+between them in every round, medians are reported, and a machine that was busy meanwhile (other
+processes took more than QUIET of its CPU during the rounds; decoding/load.py) is named, since
+its figures are noise.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .decoding.generation import GenerationOutput
+from .decoding.load import QUIET, OthersLoad
 
 ROUNDS = 3
 """Rounds of plain / first-time / asked-again runs: enough for a median on a shared machine."""
@@ -28,9 +29,8 @@ class Comparison:
     plain: Sequence[GenerationOutput]
     first: Sequence[GenerationOutput]
     again: Sequence[GenerationOutput]
-    load: float
-    """Load average (1 minute) before the runs."""
-    cores: int
+    others: float
+    """The share of the machine's CPU time other processes took during the rounds (0 to 1)."""
 
     @property
     def identical(self) -> bool:
@@ -40,7 +40,7 @@ class Comparison:
 
     @property
     def busy(self) -> bool:
-        return self.load > self.cores
+        return self.others > QUIET
 
     def lines(self, mode: str) -> list[str]:
         plain, first, again = (_median_rate(outs) for outs in (self.plain, self.first, self.again))
@@ -54,8 +54,8 @@ class Comparison:
             f"identical to plain: {'yes' if self.identical else 'NO'}",
         ]
         if self.busy:
-            load = f"load average {self.load:.1f} on {self.cores} cores"
-            lines.append(f"note: the machine was busy ({load}): these figures are noisy")
+            taken = f"other processes took {self.others:.0%} of its CPU meanwhile"
+            lines.append(f"note: the machine was busy ({taken}): these figures are noisy")
         return lines
 
 
@@ -67,14 +67,14 @@ def compare(
     rounds: int = ROUNDS,
 ) -> Comparison:
     """Round 1 reuses `first` (the streamed run); each round runs plain, then a fresh trie, then asked again."""
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    load = OthersLoad()
     plains, firsts, agains = [], [first], []
     for number in range(rounds):
         plains.append(plain())
         if number:
             firsts.append(fresh())
         agains.append(again())
-    return Comparison(plains, firsts, agains, load, cores)
+    return Comparison(plains, firsts, agains, load.share())
 
 
 def _median_rate(outputs: Sequence[GenerationOutput]) -> float:

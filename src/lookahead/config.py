@@ -12,7 +12,8 @@ DEFAULT_TRIE_MAX_NODES = 1_000_000
 DEFAULT_TRIE_HALF_LIFE = 200_000.0
 """Tokens after which an old sighting of an n-gram counts half as much as a new one (budget / 5)."""
 SEED_LIMIT = 2**64
-"""Seeds are torch generator seeds, unsigned 64-bit: the library and the server accept [0, SEED_LIMIT)."""
+"""Seeds are torch generator seeds, unsigned 64-bit: any integer in [-SEED_LIMIT // 2, SEED_LIMIT) is accepted, a
+negative one taken modulo SEED_LIMIT (its two's complement), so every int64 and uint64 is a seed."""
 LINEARS = ("auto", "packed", "model")
 """How a transformers model's linear layers run on a CPU (LookaheadConfig.linears)."""
 MAX_RECYCLED = 64

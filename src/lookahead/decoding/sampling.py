@@ -7,7 +7,8 @@ own processor classes. A sampled choice uses one uniform draw from the request's
 per emitted token, so a seeded request emits the same tokens with or without drafts. Where a
 request asks for log-probabilities, every choice also records the model's own distribution at
 its position (the log-softmax of the raw logits, before any processor, as vLLM returns by
-default), so they are what plain decoding computes whichever node a token was verified at.
+default): what plain decoding computes, within the float rounding of the pass a token was
+verified in.
 """
 
 from __future__ import annotations
@@ -178,14 +179,14 @@ class TokenChooser:
 
     def choose(self, logits: torch.Tensor | np.ndarray, prefix: list[int]) -> int:
         """Token for one node whose logits are `logits` (vocab,) after the tokens `prefix`."""
-        raw = torch.as_tensor(logits).float().unsqueeze(0)
-        scores = raw
+        scores = torch.as_tensor(logits).float().unsqueeze(0)
+        model = torch.log_softmax(scores[0], -1) if self.logprobs is not None else None  # before any processor
         if self.processors:
-            ids = torch.tensor([prefix], dtype=torch.long, device=raw.device)
-            scores = self.processors(ids, raw)
+            ids = torch.tensor([prefix], dtype=torch.long, device=scores.device)
+            scores = self.processors(ids, scores)
         token = self._draw(scores[0]) if self.sample else int(scores.argmax(-1))
-        if self.logprobs is not None:
-            self.chosen.append(_logprob(raw[0], token, self.logprobs))
+        if model is not None:
+            self.chosen.append(_record(model, token, self.logprobs))
         return token
 
     def _draw(self, scores: torch.Tensor) -> int:
@@ -196,8 +197,7 @@ class TokenChooser:
         return min(token, cumulative.numel() - 1)
 
 
-def _logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
-    logprobs = torch.log_softmax(logits, dim=-1)
+def _record(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
     pairs: tuple[tuple[int, float], ...] = ()
     if top:
         values, ids = logprobs.topk(min(top, logprobs.numel()))

@@ -22,7 +22,7 @@ from ..sourceview import SourceView
 from .errors import APIError, error_body
 from .generation import Plan
 from .logprobs import LogprobFormat
-from .scheduler import Cancelled, Delta, Job
+from .scheduler import Cancelled, ChoiceDelta, Job
 from .schemas import Reply, sse, usage
 
 log = logging.getLogger("lookahead.server")
@@ -80,7 +80,7 @@ class Exchange:
     def usage(self) -> dict[str, int]:
         return usage(len(self.plan.prompt_ids), sum(len(output.token_ids) for output in self.job.outputs))
 
-    async def first(self) -> Delta | None:
+    async def first(self) -> ChoiceDelta | None:
         """The first text delta; None if the answer is empty. An error here still gets its status code."""
         return await self._next_or_fail(anext(self._deltas, None))
 
@@ -96,13 +96,13 @@ class Exchange:
         choices = [(out.text, out.finish_reason, self._body(0, out.logprobs)) for out in self.job.outputs]
         return self.reply.full(choices, self.usage())
 
-    async def events(self, first: Delta | None, include_usage: bool) -> AsyncIterator[str]:
+    async def events(self, first: ChoiceDelta | None, include_usage: bool) -> AsyncIterator[str]:
         """The answer as OpenAI stream chunks, ending with `[DONE]`; an error after the headers is an event
         before it (when the client is still there to read it). A chunk carries the log-probabilities of the
         tokens generated since the choice's previous chunk; its closing chunk, any left."""
         opened: set[int] = set()
 
-        def chunk(delta: Delta, finish_reason: str | None = None) -> str:
+        def chunk(delta: ChoiceDelta, finish_reason: str | None = None) -> str:
             index = delta.index
             logprobs, sources = self._streamed(delta), self._sources(delta)
             body = self.reply.chunk(index, delta.text, finish_reason, index not in opened, logprobs, sources)
@@ -110,7 +110,7 @@ class Exchange:
             return sse(body)
 
         try:
-            yield chunk(first or Delta(0, ""))
+            yield chunk(first or ChoiceDelta(0, ""))
             async for delta in self._deltas:
                 yield chunk(delta)
             for index, output in enumerate(self.job.outputs):
@@ -126,13 +126,14 @@ class Exchange:
             self.close()
         yield sse("[DONE]")
 
-    def _rest(self, index: int, output: GenerationOutput) -> Delta:
+    def _rest(self, index: int, output: GenerationOutput) -> ChoiceDelta:
         """What the closing chunk of choice `index` carries: the tokens no delta took (an end-of-sequence, say)."""
         sent = self._sent[index]
         logprobs = output.logprobs[sent:] if output.logprobs is not None else None
-        return Delta(index, "", logprobs, output.token_ids[sent:], output.sources[sent:], output.stats.steps)
+        return ChoiceDelta(index, "", logprobs or None, output.token_ids[sent:], output.sources[sent:],
+                           output.stats.steps, closing=True)  # fmt: skip
 
-    def _streamed(self, delta: Delta) -> dict | None:
+    def _streamed(self, delta: ChoiceDelta) -> dict | None:
         self._sent[delta.index] += len(delta.tokens)
         if delta.logprobs is None:
             return None
@@ -141,11 +142,12 @@ class Exchange:
             self._offsets[delta.index] += self.logprobs.text_length(delta.logprobs)
         return body
 
-    def _sources(self, delta: Delta) -> dict | None:
+    def _sources(self, delta: ChoiceDelta) -> dict | None:
         """The `lookahead` extension of a chunk: its tokens' text pieces by source, and the choice's steps so far."""
         if self.views is None:
             return None
-        pieces = self.views[delta.index].add(delta.tokens, delta.sources)
+        view = self.views[delta.index]
+        pieces = view.add(delta.tokens, delta.sources) + (view.flush() if delta.closing else [])
         return {"pieces": [{"text": text, "source": name} for text, name in pieces], "tokens": len(delta.tokens),
                 "steps": delta.steps}  # fmt: skip
 

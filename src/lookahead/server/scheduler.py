@@ -50,7 +50,7 @@ class Cancelled(Exception):
     """The job was cancelled (its client left, or the server is stopping)."""
 
 
-class Delta(NamedTuple):
+class ChoiceDelta(NamedTuple):
     """New text of one choice, the tokens it came from (those not handed out before) and their draft sources."""
 
     index: int
@@ -61,6 +61,8 @@ class Delta(NamedTuple):
     sources: Sequence[int] = ()
     steps: int = 0
     """The generation's forward passes after its prompt, so far."""
+    closing: bool = False
+    """The choice's last delta (its closing chunk): nothing of it is held back any more."""
 
 
 class Job:
@@ -87,7 +89,7 @@ class Job:
         """Leave the queue, or the batch before its next step; harmless once finished."""
         self._scheduler._cancel(self)
 
-    async def deltas(self) -> AsyncIterator[Delta]:
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """Each choice's text deltas as the worker produces them; raises Cancelled, or the worker's error."""
         while True:
             kind, value = await self._events.get()
@@ -100,7 +102,7 @@ class Job:
             else:
                 raise Cancelled
 
-    def delta(self, generation: Generation, piece: str) -> Delta:
+    def delta(self, generation: Generation, piece: str) -> ChoiceDelta:
         """`piece` of `generation`'s text, with its tokens not yet handed out."""
         index = self.generations.index(generation)
         start, end = self._handed_out[index], len(generation.transcript.tokens)
@@ -108,7 +110,7 @@ class Job:
         chooser = generation.chooser
         logprobs = None if chooser is None or chooser.logprobs is None else chooser.chosen[start:end]
         tokens, sources = generation.transcript.tokens[start:end], generation.sources[start:end]
-        return Delta(index, piece, logprobs, tokens, sources, generation.stats.steps)
+        return ChoiceDelta(index, piece, logprobs, tokens, sources, generation.stats.steps)
 
     def _push(self, kind: str, value: Any = None) -> None:
         """Thread-safe hand-over to the request's event loop (gone already if the server stopped)."""
