@@ -6,7 +6,7 @@ import pytest
 
 from lookahead.config import LookaheadConfig
 from lookahead.drafting.drafter import TrieDrafter, TrieDrafting
-from lookahead.vllm.chains import Batch, ChainDrafting, Row, StepTokensCost
+from lookahead.vllm.chains import Batch, ChainDrafting, Row, TokensCost
 
 EOS = 2
 PROMPT = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
@@ -141,8 +141,8 @@ def test_a_step_vllm_ran_without_us_is_learned_and_not_priced() -> None:
     chains.propose(Batch([request.step([43])], carried={"a": 1}))
     assert chains.steady_steps == 1  # the two-step interval was not priced as one step
     chains.propose(Batch([], finished=["a"]))
-    again = Request("b", [7, 8, 9])
-    assert chains.propose(Batch([again.step([40])]))[0][:3] == [41, 42, 43]  # 42 was learned all the same
+    drafter = chains.drafting.open([7, 8, 9])  # what a new request on the same prompt is offered, before pricing
+    assert list(drafter.propose([7, 8, 9, 40], 100, branching=False).tokens[:3]) == [41, 42, 43]  # 42 learned too
 
 
 def test_tokens_past_a_stop_are_not_learned() -> None:
@@ -205,11 +205,26 @@ def test_steps_that_read_a_prompt_are_not_priced() -> None:
     assert chains.steady_steps == 0 and chains.drafting.policy.cost is None
 
 
-def test_a_price_learned_at_one_row_count_holds_at_another() -> None:
-    cost = StepTokensCost({1: 10.0, 2: 10.0})
-    for _ in range(20):
-        cost.observe(4.0, 40.0, rows=4)  # 4 rows of 4 tokens: 16 tokens in all
-    learned = cost.predict(4.0, rows=4)
-    assert learned > 30.0  # near the 40 ms seen (blended with the first price)
-    assert cost.predict(8.0, rows=2) == learned  # 2 rows of 8: the same 16 tokens, the same price
-    assert cost.predict(1.0, rows=1) == pytest.approx(10.0)  # one token: as first timed
+def test_the_price_of_a_token_is_learned_from_steps_of_several_sizes() -> None:
+    cost = TokensCost(tokens=4, milliseconds=40.0)  # the first plain step of 4 rows
+    for tokens in [4, 16, 8, 12, 4, 16] * 20:
+        cost.observe(tokens / 2, 20.0 + 5.0 * tokens, rows=2)  # really 20 ms + 5 ms a token
+    assert cost.per_token == pytest.approx(5.0, rel=0.05) and cost.fixed == pytest.approx(20.0, rel=0.1)
+    assert cost.predict(4.0, rows=4) == cost.predict(8.0, rows=2) == cost.predict(16.0)  # tokens in all price it
+
+
+def test_until_steps_spread_over_sizes_a_token_keeps_its_cautious_price() -> None:
+    cost = TokensCost(tokens=16, milliseconds=64.0)
+    assert cost.per_token == 2.0 and cost.predict(1.0, rows=16) == 64.0  # half the first step's price per token
+    for _ in range(1000):
+        cost.observe(1.0, 80.0, rows=16)  # only plain steps of 16 rows, dearer now: nothing shows a token's price
+    assert cost.per_token == pytest.approx(2.0, rel=0.05) and cost.predict(1.0, rows=16) == pytest.approx(80.0)
+
+
+def test_a_pause_is_not_taken_for_a_price() -> None:
+    cost = TokensCost(tokens=1, milliseconds=10.0)
+    for tokens in [1, 5, 9] * 10:
+        cost.observe(tokens, 10.0 + tokens)
+    before = (cost.fixed, cost.per_token)
+    cost.observe(5, 500.0)  # a pause of half a second in one step
+    assert (cost.fixed, cost.per_token) == before

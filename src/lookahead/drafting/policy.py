@@ -23,6 +23,7 @@ import bisect
 import math
 import threading
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -87,8 +88,6 @@ class CostModel:
     """Steps of evidence `scale` is worth against a size's own factor."""
     FORGET = 0.99
     """A size's evidence fades by this much for every step of another size."""
-    KEEP_FIRST = False
-    """Keep a size's first step even 5x off its prediction: for a model priced from a guess, not a measured curve."""
 
     def __init__(
         self,
@@ -191,12 +190,10 @@ class CostModel:
         return None
 
     def observe(self, width: float, milliseconds: float, rows: int = 1, context: int = BASE_CONTEXT) -> None:
-        """Learn from a real step of this size; a step 5x off its prediction is an outlier (a pause), ignored —
-        but with KEEP_FIRST, a size's first step is kept whatever it cost (its only evidence)."""
+        """Learn from a real step of this size; a step 5x off its prediction is an outlier (a pause), ignored."""
         ratio = milliseconds / self.measured(width, rows, context)
         key = (rows, _bucket(width))
-        judged = key in self._factors or not self.KEEP_FIRST
-        if judged and not 0.2 < ratio / self.factor(width, rows) < 5:
+        if not 0.2 < ratio / self.factor(width, rows) < 5:
             return
         if width == 1:
             self.scale += 0.05 * (ratio - self.scale)
@@ -204,6 +201,18 @@ class CostModel:
         evidence = evidence * self.FORGET ** (self._steps - seen) + 1
         self._factors[key] = (factor + (ratio - factor) * max(1 / evidence, self.LEARNING_RATE), evidence, self._steps)
         self._steps += 1
+
+
+class StepCost(Protocol):
+    """What the policy prices steps by: a CostModel (measured curves), or vLLM's TokensCost (vllm/chains.py)."""
+
+    def predict_widths(self, widths: Sequence[float], rows: int = 1, context: int = BASE_CONTEXT) -> np.ndarray:
+        """Milliseconds of a step of `rows` rows carrying each of `widths` tokens a row (mean), after `context`."""
+        ...
+
+    def observe(self, width: float, milliseconds: float, rows: int = 1, context: int = BASE_CONTEXT) -> None:
+        """A real step of this size took `milliseconds`."""
+        ...
 
 
 def _bucket(width: float) -> int:
@@ -360,7 +369,7 @@ MOST_LIKELY = 0.98
 """No edge is ever certain: a raised level must not make a long draft look free of risk."""
 
 
-def best_width(chances: Sequence[Sequence[float]], cost: CostModel, context: int = BASE_CONTEXT) -> int:
+def best_width(chances: Sequence[Sequence[float]], cost: StepCost, context: int = BASE_CONTEXT) -> int:
     """Draft nodes per row worth sending: most expected tokens of all rows per predicted millisecond.
 
     `chances[b]` are row b's candidates' chances of acceptance, likeliest first. Every row of
@@ -378,7 +387,7 @@ def best_width(chances: Sequence[Sequence[float]], cost: CostModel, context: int
     return int(np.argmax(rates))  # the first best: a tie goes to the smaller block
 
 
-def best_sizes(chances: Sequence[Sequence[float]], cost: CostModel, context: int = BASE_CONTEXT) -> list[int]:
+def best_sizes(chances: Sequence[Sequence[float]], cost: StepCost, context: int = BASE_CONTEXT) -> list[int]:
     """Draft nodes worth sending from each row of a packed batch, where a step costs by the tokens it carries.
 
     Each row pays only for its own nodes (decoding/slab.py), so the batch's candidates
@@ -425,7 +434,7 @@ class DraftPolicy:
     original Lookahead does.
     """
 
-    def __init__(self, cost: CostModel | None = None) -> None:
+    def __init__(self, cost: StepCost | None = None) -> None:
         self.cost = cost
         self.calibration = Calibration(ENGINE_PRIOR_WEIGHT)
         self.packed = False
