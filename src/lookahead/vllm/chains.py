@@ -20,9 +20,8 @@ The step's cost is priced from the time between calls, which is one whole engine
 and that interval is what a user waits for. The proposer sends nothing until it has timed one
 plain step; from then on a step is priced as fixed milliseconds plus milliseconds per token
 it carries (`TokensCost`), both fitted online to the steps timed. (A first version priced
-every size at that first timed step's price and learned each size once tried: the tokens
-within a size looked free, and under load on a CPU it sent 2.5 draft tokens for each one
-accepted where this sends 1.9.)
+every size at that first timed step's price and learned each size once tried, so the tokens
+within a size looked free and under load it sent more drafts than paid: benchmarks/NOTES.md.)
 """
 
 from __future__ import annotations
@@ -50,16 +49,17 @@ class TokensCost:
     of compute: on a CPU a 16-row step costs several one-row steps, so 16 rows of drafts are
     far from free; on a GPU they nearly are. Both parts are fitted by least squares to the
     steps timed here, each step's weight fading by FORGET per later step: plain steps of
-    different row counts already show the price of a token, drafted steps refine it. The price
-    of a token leans on a cautious prior (half the first timed step's price per token, as if it
-    had carried at least PRIOR_TOKENS) with the weight of steps PRIOR_STRENGTH tokens² apart,
-    so while the steps seen hardly differ in size it stays near the prior, and a price that
-    rises with the context moves the fixed part only.
+    different row counts already show the price of a token, drafted steps refine it. Until
+    they do, the price of a token leans on a cautious prior: half the first timed step's price
+    per token, as if that step had carried at least PRIOR_TOKENS. So while the steps seen hardly
+    differ in size it stays near the prior, and a price that rises with the context moves the
+    fixed part only.
     """
 
     FORGET = 0.99
     PRIOR_TOKENS = 8
     PRIOR_STRENGTH = 64.0
+    """What the prior weighs in the fit of the per-token price: as much as one step 8 tokens from the mean."""
     OUTLIER = 5.0
     """A step this many times off its price (a pause) is ignored once the fit rests on STEADY steps."""
     STEADY = 8.0
