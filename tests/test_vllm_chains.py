@@ -142,7 +142,10 @@ def test_a_step_vllm_ran_without_us_is_learned_and_not_priced() -> None:
     assert chains.steady_steps == 1  # the two-step interval was not priced as one step
     chains.propose(Batch([], finished=["a"]))
     drafter = chains.drafting.open([7, 8, 9])  # what a new request on the same prompt is offered, before pricing
-    assert list(drafter.propose([7, 8, 9, 40], 100, branching=False).tokens[:3]) == [41, 42, 43]  # 42 learned too
+    try:
+        assert list(drafter.propose([7, 8, 9, 40], 100, branching=False).tokens[:3]) == [41, 42, 43]  # 42 learned
+    finally:
+        drafter.close()
 
 
 def test_tokens_past_a_stop_are_not_learned() -> None:
@@ -221,10 +224,37 @@ def test_until_steps_spread_over_sizes_a_token_keeps_its_cautious_price() -> Non
     assert cost.per_token == pytest.approx(2.0, rel=0.05) and cost.predict(1.0, rows=16) == pytest.approx(80.0)
 
 
-def test_a_pause_is_not_taken_for_a_price() -> None:
+def test_a_pause_is_not_taken_for_a_price_but_a_lasting_change_is() -> None:
     cost = TokensCost(tokens=1, milliseconds=10.0)
     for tokens in [1, 5, 9] * 10:
         cost.observe(tokens, 10.0 + tokens)
-    before = (cost.fixed, cost.per_token)
+    before, price = (cost.fixed, cost.per_token), cost.predict(5)
     cost.observe(5, 500.0)  # a pause of half a second in one step
     assert (cost.fixed, cost.per_token) == before
+    for _ in range(2):
+        cost.observe(5, 500.0)  # three in a row: the machine is that slow now
+    assert cost.predict(5) > 1.5 * price
+
+
+def test_early_steps_far_off_the_first_price_are_evidence() -> None:
+    cost = TokensCost(tokens=1, milliseconds=10.0)
+    cost.observe(1, 10.0)  # the first timed step
+    cost.observe(16, 200.0)  # a first drafted step 10x its price: the start was a guess, not a pause
+    assert cost.per_token > 10 * cost.prior_per_token
+
+
+def test_a_fit_through_the_origin_keeps_its_slope() -> None:
+    cost = TokensCost(tokens=1, milliseconds=1.0)
+    for tokens in [2, 4, 8] * 100:
+        cost.observe(tokens, 3.0 * tokens - 2.0)  # a line that would cross zero above one token
+    assert cost.fixed == 0.0 and cost.predict(8) == pytest.approx(22.0, rel=0.1)
+
+
+def test_the_first_timed_plain_step_prices_the_steps() -> None:
+    clock = Clock()
+    chains = make_chains("adaptive", clock=clock)
+    requests = [Request(f"r{i}", PROMPT) for i in range(3)]
+    chains.propose(Batch([r.step([12]) for r in requests]))
+    clock.now += 0.030
+    chains.propose(Batch([r.step([13]) for r in requests], carried={r.name: 1 for r in requests}))
+    assert chains.drafting.policy.cost.predict(1.0, rows=3) == pytest.approx(30.0)

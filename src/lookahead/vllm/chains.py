@@ -57,12 +57,17 @@ class TokensCost:
     """
 
     FORGET = 0.99
+    """A step's weight in the fit fades by this much for every later step: the price follows load and context."""
     PRIOR_TOKENS = 8
+    """The prior prices a token as if the first timed step had carried at least this many."""
     PRIOR_STRENGTH = 64.0
-    """What the prior weighs in the fit of the per-token price: as much as one step 8 tokens from the mean."""
+    """What the prior weighs in the fit of the per-token price: as much as one step √PRIOR_STRENGTH tokens off
+    the steps' mean."""
     OUTLIER = 5.0
-    """A step this many times off its price (a pause) is ignored once the fit rests on STEADY steps."""
+    """A step this many times off its price is a pause, ignored once the fit rests on STEADY steps (before, the
+    price may be that far off, and the step is the evidence) — unless OUTLIERS_IN_A_ROW say the price moved."""
     STEADY = 8.0
+    OUTLIERS_IN_A_ROW = 3
 
     def __init__(self, tokens: int, milliseconds: float) -> None:
         self.prior_per_token = milliseconds / (2 * max(tokens, self.PRIOR_TOKENS))
@@ -70,6 +75,7 @@ class TokensCost:
         self.fixed = milliseconds - self.per_token * tokens
         self._sums = np.zeros(5)
         """Faded sums over the steps: weight, tokens, tokens², milliseconds, tokens x milliseconds."""
+        self._outliers = 0
 
     def predict_widths(self, widths: Sequence[float], rows: int = 1, context: int = BASE_CONTEXT) -> np.ndarray:
         """Milliseconds of a step of `rows` rows carrying `widths` tokens a row (their mean)."""
@@ -79,18 +85,23 @@ class TokensCost:
         return float(self.predict_widths([width], rows, context)[0])
 
     def observe(self, width: float, milliseconds: float, rows: int = 1, context: int = BASE_CONTEXT) -> None:
+        """Fit both parts again with a step of `rows` rows carrying `width` tokens a row (mean) that took this long."""
         ratio = milliseconds / max(self.predict(width, rows), 1e-6)
         if self._sums[0] >= self.STEADY and not 1 / self.OUTLIER < ratio < self.OUTLIER:
-            return
+            self._outliers += 1
+            if self._outliers < self.OUTLIERS_IN_A_ROW:
+                return
+        self._outliers = 0
         tokens = width * rows
         self._sums = self._sums * self.FORGET + [1.0, tokens, tokens * tokens, milliseconds, tokens * milliseconds]
         weight, tokens_sum, squares, total, products = self._sums
         spread = squares - tokens_sum * tokens_sum / weight  # weight x the variance of the token counts
         covariance = products - tokens_sum * total / weight
-        self.per_token = max(
-            (covariance + self.PRIOR_STRENGTH * self.prior_per_token) / (spread + self.PRIOR_STRENGTH), 0.0
-        )
-        self.fixed = max((total - self.per_token * tokens_sum) / weight, 0.0)
+        prior = self.PRIOR_STRENGTH * self.prior_per_token
+        self.per_token = max((covariance + prior) / (spread + self.PRIOR_STRENGTH), 0.0)
+        self.fixed = (total - self.per_token * tokens_sum) / weight
+        if self.fixed < 0:  # a line through the origin fits best: refit the per-token price alone
+            self.fixed, self.per_token = 0.0, max((products + prior) / (squares + self.PRIOR_STRENGTH), 0.0)
 
 
 @dataclass(frozen=True)
