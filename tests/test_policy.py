@@ -4,7 +4,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lookahead.drafting.ngrams import OUTPUT, PROMPT
-from lookahead.drafting.policy import Calibration, CostModel, DraftPolicy, best_sizes, best_width, step_width
+from lookahead.drafting.policy import (
+    Calibration,
+    CostModel,
+    DraftPolicy,
+    best_sizes,
+    best_width,
+    least_chances,
+    step_width,
+)
 from lookahead.drafting.tree import DraftTree
 
 FLAT = CostModel({1: 50.0, 64: 50.0})
@@ -42,6 +50,44 @@ def test_more_confidence_never_sends_fewer_nodes(ps, boost):
 def test_steeper_cost_never_sends_more_nodes(ps, factor):
     steeper = CostModel({w: 56.0 + (ms - 56.0) * factor for w, ms in zip(CPU_LIKE.widths, CPU_LIKE.base, strict=True)})
     assert best_width([ps], steeper) <= best_width([ps], CPU_LIKE)
+
+
+def _above_floors(chances: list[float], floors: np.ndarray) -> int:
+    """How many of `chances` (best first) a retrieval with these floors keeps: up to the first under its floor."""
+    taken = 1.0
+    for place, chance in enumerate(chances):
+        if chance < taken * floors[place]:
+            return place
+        taken += chance
+    return len(chances)
+
+
+def test_floors_worked_example():
+    floors = least_chances([10.0, 17.0, 24.0])
+    np.testing.assert_allclose(floors, [0.7, 24 / 17 - 1])
+    assert _above_floors([0.69, 0.6], floors) == 0
+    assert _above_floors([0.8, 0.5], floors) == 1  # 0.5 < 0.41 * 1.8
+    assert best_width([[0.8, 0.5]], CostModel({1: 10.0, 2: 17.0, 3: 24.0})) <= 1
+
+
+costs = st.lists(st.floats(1.0, 500.0), min_size=2, max_size=16)
+
+
+@settings(max_examples=400, deadline=None)
+@given(probabilities, costs)
+def test_a_one_row_step_never_sends_a_node_under_its_floor(ps, curve):
+    """Whatever the curve (rising, flat, or cheaper for some wider blocks, as BLAS makes it), the floors only
+    leave out nodes the policy would not send, so a retrieval that stops at them changes no decision."""
+    cost = CostModel(dict(enumerate(curve, start=1)))
+    ps = ps[: len(curve) - 1]
+    floors = least_chances(cost.predict_widths(range(1, len(ps) + 2)))
+    kept = _above_floors(ps, floors)
+    assert best_width([ps], cost) <= kept
+    assert best_width([ps[:kept]], cost) == best_width([ps], cost)
+
+
+def test_flat_costs_have_no_floor():
+    assert not least_chances(FLAT.predict_widths(range(1, 33))).any()
 
 
 def test_cost_model_interpolates_and_follows_drift():

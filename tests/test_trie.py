@@ -89,6 +89,18 @@ def test_learned_chances_of_siblings_never_add_up_past_one():
     assert [c for c, p in zip(modest.chances, modest.parents, strict=True) if p == 0] == pytest.approx([0.05] * 10)
 
 
+def test_retrieval_stops_at_the_first_node_under_its_floor():
+    trie = TokenTrie(ngram_length=4)
+    trie.insert([1, 2, 3, 4])
+    trie.insert([1, 5, 6, 7])
+    full = trie.retrieve([1], 8, 3)  # two branches of chance 1/2 each
+    assert full.chances[:2] == [0.5, 0.5]
+    assert trie.retrieve([1], 8, 3, floors=[0.0] * 8).tokens == full.tokens
+    assert trie.retrieve([1], 8, 3, floors=[0.6] * 8).tokens == []  # 0.5 < 0.6 x 1
+    stopped = trie.retrieve([1], 8, 3, floors=[0.4, 0.4, 0.4] + [0.0] * 5)
+    assert stopped.tokens == full.tokens[:1]  # the second 0.5 < 0.4 x (1 + 0.5)
+
+
 def test_end_of_turn_is_a_boundary_not_an_end():
     trie = TokenTrie(ngram_length=4, boundary_ids=[0])
     trie.insert([5, 6, 0, 7, 8, 9], request="r")

@@ -195,7 +195,7 @@ class _Listener:
     def __init__(self) -> None:
         self.following: list[list[int]] = []
 
-    def propose(self, context: Sequence[int], room: int, branching: bool) -> DraftTree:
+    def propose(self, context: Sequence[int], room: int, branching: bool, alone: bool = False) -> DraftTree:
         return DraftTree()
 
     def verified(self, tree: DraftTree, accepted: Sequence[int], following: np.ndarray | None = None) -> None:

@@ -77,7 +77,7 @@ def step(generations: Sequence[Generation], verifier: Verifier, drafting: Drafti
     With `drafting`, the rows' candidates are cut together to the width worth its cost,
     and the step's time is reported back to it.
     """
-    trees = [_propose(generation, verifier) for generation in generations]
+    trees = [_propose(generation, verifier, alone=len(generations) == 1) for generation in generations]
     context = longest_context(generations)
     if drafting is not None:
         trees = drafting.fit(trees, context)
@@ -104,12 +104,12 @@ def longest_context(generations: Sequence[Generation]) -> int:
     return max(len(generation.tokens) for generation in generations) - 1
 
 
-def _propose(generation: Generation, verifier: Verifier) -> DraftTree:
+def _propose(generation: Generation, verifier: Verifier, alone: bool) -> DraftTree:
     if generation.drafter is None:
         return DraftTree()
     clock = time.perf_counter()
     leaves = verifier.max_leaves(generation)
-    tree = generation.drafter.propose(generation.tokens, generation.room, leaves > 1).within_leaves(leaves)
+    tree = generation.drafter.propose(generation.tokens, generation.room, leaves > 1, alone).within_leaves(leaves)
     generation.stats.draft_s += time.perf_counter() - clock
     return tree
 

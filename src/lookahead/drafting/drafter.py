@@ -25,10 +25,11 @@ from .trie import TokenTrie
 class Drafter(Protocol):
     """One request's draft source."""
 
-    def propose(self, context: Sequence[int], room: int, branching: bool) -> DraftTree:
+    def propose(self, context: Sequence[int], room: int, branching: bool, alone: bool = False) -> DraftTree:
         """Candidates for the step whose root is `context[-1]`, likeliest first; `room` tokens may still be emitted.
 
-        `branching` False asks for a single path (the model cannot verify a tree here).
+        `branching` False asks for a single path (the model cannot verify a tree here); `alone`:
+        this row is the step's only one (a drafter may leave out what the step would never send).
         """
         ...
 
@@ -78,7 +79,7 @@ class TrieDrafter:
         """The tokens the last verdict's positions follow, and the model's likeliest next tokens at each."""
         trie.insert(prompt, request=self.request)
 
-    def propose(self, context: Sequence[int], room: int, branching: bool) -> DraftTree:
+    def propose(self, context: Sequence[int], room: int, branching: bool, alone: bool = False) -> DraftTree:
         config, policy = self.config, self.policy
         self._root = context[-1]
         rates = policy.rates(self.rates).tolist() if policy.adaptive else None
@@ -91,6 +92,7 @@ class TrieDrafter:
             branching=branching,
             min_score=config.min_score,
             chance=None if rates is None else lambda flags, ratio, deep: rates[Calibration.cell(flags, ratio, deep)],
+            floors=policy.floors(config.decoding_length, len(context) - 1) if alone else None,
         )
         return tree
 

@@ -409,6 +409,30 @@ def best_sizes(chances: Sequence[Sequence[float]], cost: StepCost, context: int 
     return sizes
 
 
+def least_chances(costs: Sequence[float]) -> np.ndarray:
+    """Per place j in a one-row step's candidates (best first), the least chance for which node j can be sent.
+
+    `costs[k]` is the predicted price of the step with k nodes (k = 0 … n); entry j - 1 of the
+    result is a factor f_j: node j is never in the prefix `best_width` sends unless its chance
+    p_j ≥ f_j · (1 + the chances of the j - 1 nodes before it). Why: if the best prefix is m ≥ j
+    nodes, it is worth at least the first j - 1: (1 + S_{j-1} + p_j + … + p_m) / C(m) ≥
+    (1 + S_{j-1}) / C(j-1), and chances fall along the best-first order, so p_j + … + p_m ≤
+    (m - j + 1) p_j. So retrieval can stop at the first node below its floor: nothing after it is sent.
+
+    Example: costs [10, 17, 24] (a second token 70 % of a step's price, a third 40 % more): a
+    first node is sent only if p_1 ≥ min(0.7, 1.4 / 2) = 0.7, a second only if
+    p_2 ≥ (24 / 17 - 1) (1 + p_1) = 0.41 (1 + p_1).
+    """
+    cost = np.asarray(costs, dtype=np.float64)
+    n = len(cost) - 1
+    if n < 1:
+        return np.zeros(0)
+    j = np.arange(1, n + 1)[None, :]  # the place
+    m = np.arange(1, n + 1)[:, None]  # a prefix the step might send
+    factors = np.where(m >= j, (cost[m] / cost[j - 1] - 1) / np.maximum(m - j + 1, 1), np.inf)
+    return np.maximum(factors.min(axis=0), 0.0)
+
+
 def _falling(values: Sequence[float]) -> np.ndarray:
     """`values` lowered where needed so that none exceeds an earlier one (the rank a prefix can be cut at)."""
     return np.minimum.accumulate(np.asarray(values, dtype=np.float64)) if len(values) else np.zeros(0)
@@ -466,6 +490,13 @@ class DraftPolicy:
             return [tree.prefix(size) for tree, size in zip(trees, sizes, strict=True)]
         size = best_width(chances, self.cost, context)
         return [tree.prefix(size) for tree in trees]
+
+    def floors(self, budget: int, context: int) -> np.ndarray | None:
+        """For a row alone in its step, after `context` cached tokens: `least_chances` of up to `budget` nodes
+        (None for the fixed policy, which sends the whole tree)."""
+        if self.cost is None:
+            return None
+        return least_chances(self.cost.predict_widths(range(1, budget + 2), 1, context))
 
     def learn(self, tree: DraftTree, accepted: Sequence[int], request: RequestRates) -> None:
         """Calibrate, engine-wide and for the request, by what verification kept of `tree` (block indices)."""

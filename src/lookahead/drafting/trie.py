@@ -113,8 +113,10 @@ class _Expansion:
         chance: EdgeChance | None,
         followers: Callable[[int], list[int]] | None,
         min_score: float,
+        floors: Sequence[float] | None = None,
     ) -> None:
         self.budget = budget
+        self.floors = floors
         self.branching = branching
         self.chance = chance
         self.followers = followers
@@ -126,10 +128,14 @@ class _Expansion:
 
     def best_first(self, start: list[_Place], root: int, max_depth: int) -> DraftTree:
         """The tree grown from `root` (whose n-gram lies at the places `start`), likeliest node first."""
-        tree, heap = self.tree, self.heap
+        tree, heap, floors = self.tree, self.heap, self.floors
         self.push_children(start, root, 0, 1.0, 1)
+        taken = 1.0  # one for the root's own token, plus the chances of the nodes so far
         while heap and len(tree.tokens) < self.budget:
             neg_chance, _, token, parent, depth, ratio, flag, places = heapq.heappop(heap)
+            if floors is not None and -neg_chance < taken * floors[len(tree.tokens)]:
+                break  # neither this node nor any after it (none likelier) would be sent
+            taken -= neg_chance
             tree.tokens.append(token)
             tree.parents.append(parent)
             tree.ratios.append(ratio)
@@ -367,6 +373,7 @@ class TokenTrie:
         branching: bool = True,
         min_score: float = 0.0,
         chance: EdgeChance | None = None,
+        floors: Sequence[float] | None = None,
     ) -> DraftTree:
         """Best-first draft tree below the longest matched tail of `context`, and from the recycled table.
 
@@ -378,7 +385,9 @@ class TokenTrie:
         are taken in order of that chance, or of the product along the path of
         `chance(source flags, count ratio, parent is a draft node)` when the caller has learned
         better (the adaptive policy), and listed in that order with those chances, so every
-        prefix of the tree is a tree. At most `budget` nodes, `max_depth` deep; with
+        prefix of the tree is a tree. At most `budget` nodes, `max_depth` deep, and none past the
+        first whose chance is under its floor (policy.least_chances: `floors[i]` times 1 + the
+        chances before it, for the node at place i + 1; nodes after it are no likelier); with
         `branching` off, a single path (for models that cannot take a tree mask). The Python
         work done is bounded by the budget times SCAN_CHILDREN per source, whatever the trie's
         or the prompt's size (a prompt index adds one numpy pass over a wide node's occurrences).
@@ -393,7 +402,7 @@ class TokenTrie:
             followers = None if self._recycled is None else self._recycled.followers
             if start is None and followers is None:
                 return DraftTree()
-            expand = _Expansion(budget, branching, chance, followers, min_score)
+            expand = _Expansion(budget, branching, chance, followers, min_score, floors)
             return expand.best_first(start or [], context[-1], max_depth)
 
     @staticmethod
