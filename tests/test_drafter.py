@@ -1,5 +1,8 @@
 """The trie drafter: one request's drafts, cut by the engine's policy."""
 
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_policy import FLAT, STEEP
 
 from lookahead.config import LookaheadConfig
@@ -47,3 +50,32 @@ def test_a_drafter_holds_its_prompt_until_closed_and_respects_the_room_left():
     drafter.learn([8, 8, 8])
     drafter.close()
     assert trie.stats()["live_requests"] == 0 and trie.stats()["tokens_learned"] == 3
+
+
+token_runs = st.lists(st.lists(st.integers(0, 9), min_size=2, max_size=24), min_size=1, max_size=6)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    token_runs,
+    st.lists(st.integers(0, 9), min_size=1, max_size=6),
+    st.lists(st.floats(1.0, 300.0), min_size=2, max_size=12),
+    st.lists(st.lists(st.integers(0, 9), min_size=3, max_size=3, unique=True), min_size=10, max_size=10),
+    st.integers(1, 16),
+)
+def test_a_row_alone_sends_what_it_sends_with_the_whole_tree(runs, context, curve, following, leaves):
+    """The floors leave out only what the policy would not send: same nodes with and without, on any curve,
+    with retrieval and the model's recycled guesses in one tree, cut to the leaves a verifier allows."""
+    trie = TokenTrie(ngram_length=6, recycled=3)
+    for run in runs:
+        trie.insert(run)
+    trie.recycle(list(range(10)), np.array(following, dtype=np.int32))
+    config = LookaheadConfig(decoding_length=16, branch_length=8, match_length=3)
+    drafting = TrieDrafting(config, trie, DraftPolicy(CostModel(dict(enumerate(curve, start=1)))))
+    drafter = drafting.open(runs[0][:4])
+    proposed = [
+        drafter.propose(context, 100, branching=True, alone=alone).within_leaves(leaves) for alone in (True, False)
+    ]
+    floored, whole = (drafting.fit([tree], len(context) - 1)[0] for tree in proposed)
+    assert len(proposed[0]) <= len(proposed[1])
+    assert (floored.tokens, floored.parents) == (whole.tokens, whole.parents)

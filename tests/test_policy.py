@@ -10,7 +10,7 @@ from lookahead.drafting.policy import (
     DraftPolicy,
     best_sizes,
     best_width,
-    least_chances,
+    floor_factors,
     step_width,
 )
 from lookahead.drafting.tree import DraftTree
@@ -63,7 +63,7 @@ def _above_floors(chances: list[float], floors: np.ndarray) -> int:
 
 
 def test_floors_worked_example():
-    floors = least_chances([10.0, 17.0, 24.0])
+    floors = floor_factors([10.0, 17.0, 24.0])
     np.testing.assert_allclose(floors, [0.7, 24 / 17 - 1])
     assert _above_floors([0.69, 0.6], floors) == 0
     assert _above_floors([0.8, 0.5], floors) == 1  # 0.5 < 0.41 * 1.8
@@ -80,14 +80,14 @@ def test_a_one_row_step_never_sends_a_node_under_its_floor(ps, curve):
     leave out nodes the policy would not send, so a retrieval that stops at them changes no decision."""
     cost = CostModel(dict(enumerate(curve, start=1)))
     ps = ps[: len(curve) - 1]
-    floors = least_chances(cost.predict_widths(range(1, len(ps) + 2)))
+    floors = floor_factors(cost.predict_widths(range(1, len(ps) + 2)))
     kept = _above_floors(ps, floors)
     assert best_width([ps], cost) <= kept
     assert best_width([ps[:kept]], cost) == best_width([ps], cost)
 
 
 def test_flat_costs_have_no_floor():
-    assert not least_chances(FLAT.predict_widths(range(1, 33))).any()
+    assert not floor_factors(FLAT.predict_widths(range(1, 33))).any()
 
 
 def test_cost_model_interpolates_and_follows_drift():

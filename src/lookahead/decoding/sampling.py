@@ -179,7 +179,7 @@ class TokenChooser:
 
     def choose(self, logits: torch.Tensor | np.ndarray, prefix: list[int]) -> int:
         """Token for one node whose logits are `logits` (vocab,) after the tokens `prefix`."""
-        if self.plain_argmax:  # the first largest, as torch's argmax gives it, without a tensor made per node
+        if self.plain_argmax:  # the first largest (logits are float32 or narrower: as after .float()), no tensor made
             return int(logits.argmax())
         scores = torch.as_tensor(logits).float().unsqueeze(0)
         model = torch.log_softmax(scores[0], -1) if self.logprobs is not None else None  # before any processor

@@ -109,7 +109,7 @@ def _propose(generation: Generation, verifier: Verifier, alone: bool) -> DraftTr
         return DraftTree()
     clock = time.perf_counter()
     leaves = verifier.max_leaves(generation)
-    tree = generation.drafter.propose(generation.tokens, generation.room, leaves > 1, alone).within_leaves(leaves)
+    tree = generation.drafter.propose(generation.tokens, generation.room, leaves > 1, alone=alone).within_leaves(leaves)
     generation.stats.draft_s += time.perf_counter() - clock
     return tree
 

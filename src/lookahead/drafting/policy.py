@@ -409,15 +409,23 @@ def best_sizes(chances: Sequence[Sequence[float]], cost: StepCost, context: int 
     return sizes
 
 
-def least_chances(costs: Sequence[float]) -> np.ndarray:
-    """Per place j in a one-row step's candidates (best first), the least chance for which node j can be sent.
+FLOOR_PLACES = 64
+"""Places of a one-row step's candidates that get a floor (a stop that late saves little)."""
+FLOOR_SLACK = 1e-9
+"""Floors are lowered by this fraction: `best_width` computes its rates otherwise, and at an exact tie rounding
+must not leave out a node it would send."""
+
+
+def floor_factors(costs: Sequence[float], places: int = FLOOR_PLACES) -> np.ndarray:
+    """Per place j in a one-row step's candidates (best first), the factor of its floor: node j is never sent below it.
 
     `costs[k]` is the predicted price of the step with k nodes (k = 0 … n); entry j - 1 of the
-    result is a factor f_j: node j is never in the prefix `best_width` sends unless its chance
+    result is f_j: node j is never in the prefix `best_width` sends unless its chance
     p_j ≥ f_j · (1 + the chances of the j - 1 nodes before it). Why: if the best prefix is m ≥ j
     nodes, it is worth at least the first j - 1: (1 + S_{j-1} + p_j + … + p_m) / C(m) ≥
     (1 + S_{j-1}) / C(j-1), and chances fall along the best-first order, so p_j + … + p_m ≤
     (m - j + 1) p_j. So retrieval can stop at the first node below its floor: nothing after it is sent.
+    Places past `places` get 0 (no floor; the work is `places` x n, not n x n).
 
     Example: costs [10, 17, 24] (a second token 70 % of a step's price, a third 40 % more): a
     first node is sent only if p_1 ≥ min(0.7, 1.4 / 2) = 0.7, a second only if
@@ -425,12 +433,15 @@ def least_chances(costs: Sequence[float]) -> np.ndarray:
     """
     cost = np.asarray(costs, dtype=np.float64)
     n = len(cost) - 1
-    if n < 1:
-        return np.zeros(0)
-    j = np.arange(1, n + 1)[None, :]  # the place
+    factors = np.zeros(max(n, 0))
+    floored = min(n, places)
+    if floored < 1:
+        return factors
+    j = np.arange(1, floored + 1)[None, :]  # the place
     m = np.arange(1, n + 1)[:, None]  # a prefix the step might send
-    factors = np.where(m >= j, (cost[m] / cost[j - 1] - 1) / np.maximum(m - j + 1, 1), np.inf)
-    return np.maximum(factors.min(axis=0), 0.0)
+    ratios = np.where(m >= j, (cost[m] / cost[j - 1] - 1) / np.maximum(m - j + 1, 1), np.inf)
+    factors[:floored] = np.maximum(ratios.min(axis=0), 0.0) * (1 - FLOOR_SLACK)
+    return factors
 
 
 def _falling(values: Sequence[float]) -> np.ndarray:
@@ -491,12 +502,16 @@ class DraftPolicy:
         size = best_width(chances, self.cost, context)
         return [tree.prefix(size) for tree in trees]
 
-    def floors(self, budget: int, context: int) -> np.ndarray | None:
-        """For a row alone in its step, after `context` cached tokens: `least_chances` of up to `budget` nodes
-        (None for the fixed policy, which sends the whole tree)."""
+    def floors(self, budget: int, context: int) -> list[float] | None:
+        """For a row alone in its step, after `context` cached tokens: `floor_factors` of up to `budget` nodes
+        (None for the fixed policy, which sends the whole tree).
+
+        The floors and the step's `fit` price by the cost model as it is between the two; a step
+        observed meanwhile by another thread could only make a floor leave out a node the fit would
+        have sent (the output stays exact: drafts never change tokens)."""
         if self.cost is None:
             return None
-        return least_chances(self.cost.predict_widths(range(1, budget + 2), 1, context))
+        return floor_factors(self.cost.predict_widths(range(1, budget + 2), 1, context)).tolist()
 
     def learn(self, tree: DraftTree, accepted: Sequence[int], request: RequestRates) -> None:
         """Calibrate, engine-wide and for the request, by what verification kept of `tree` (block indices)."""

@@ -386,8 +386,9 @@ class TokenTrie:
         `chance(source flags, count ratio, parent is a draft node)` when the caller has learned
         better (the adaptive policy), and listed in that order with those chances, so every
         prefix of the tree is a tree. At most `budget` nodes, `max_depth` deep, and none past the
-        first whose chance is under its floor (policy.least_chances: `floors[i]` times 1 + the
-        chances before it, for the node at place i + 1; nodes after it are no likelier); with
+        first whose chance is under its floor (policy.floor_factors: `floors[i]` times 1 + the
+        chances before it, for the node at place i + 1; nodes after it are no likelier; `floors`
+        has at least `budget` entries); with
         `branching` off, a single path (for models that cannot take a tree mask). The Python
         work done is bounded by the budget times SCAN_CHILDREN per source, whatever the trie's
         or the prompt's size (a prompt index adds one numpy pass over a wide node's occurrences).
