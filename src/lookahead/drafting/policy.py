@@ -157,8 +157,15 @@ class CostModel:
         1.45x), so a wide size seldom tried is not taken for cheaper than its neighbours.
         """
         bucket = _bucket(width)
-        narrower = [self._blended(rows, smaller, self.scale) for smaller in range(bucket)]
-        return self._blended(rows, bucket, max([self.scale, *narrower]))
+        return self._bucket_factors(rows, bucket)[bucket]
+
+    def _bucket_factors(self, rows: int, widest: int) -> list[float]:
+        """`factor` of every width bucket up to `widest`, in one pass (each bucket's prior: the running maximum)."""
+        factors, prior = [], self.scale
+        for bucket in range(widest + 1):
+            factors.append(self._blended(rows, bucket, prior))
+            prior = max(prior, self._blended(rows, bucket, self.scale))
+        return factors
 
     def _blended(self, rows: int, bucket: int, prior: float) -> float:
         own = self._factors.get((rows, bucket))
@@ -174,9 +181,9 @@ class CostModel:
     def predict_widths(self, widths: Sequence[float], rows: int = 1, context: int = BASE_CONTEXT) -> np.ndarray:
         """`predict` at many widths at once: a step prices every width it could send in one go."""
         width = np.asarray(widths, dtype=np.float64)
-        buckets = [_bucket(w) for w in width.tolist()]
-        factors = {bucket: self.factor(2**bucket, rows) for bucket in set(buckets)}
-        return self._measured(width, rows, context) * np.array([factors[bucket] for bucket in buckets])
+        buckets = np.frexp(np.ceil(width) - 1)[1]  # _bucket of each: the bit length of ceil(width) - 1
+        factors = np.array(self._bucket_factors(rows, int(buckets.max(initial=0))))
+        return self._measured(width, rows, context) * factors[buckets]
 
     def overpriced(self, below: float, evidence: float) -> str | None:
         """A size whose recent steps ran under `below` times its measured price, with at least `evidence` steps
