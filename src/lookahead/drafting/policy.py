@@ -20,7 +20,6 @@ the same step, so a replay predicts the real run exactly.
 from __future__ import annotations
 
 import bisect
-import math
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Protocol
@@ -181,7 +180,7 @@ class CostModel:
     def predict_widths(self, widths: Sequence[float], rows: int = 1, context: int = BASE_CONTEXT) -> np.ndarray:
         """`predict` at many widths at once: a step prices every width it could send in one go."""
         width = np.asarray(widths, dtype=np.float64)
-        buckets = np.frexp(np.ceil(width) - 1)[1]  # _bucket of each: the bit length of ceil(width) - 1
+        buckets = _buckets(width)
         factors = np.array(self._bucket_factors(rows, int(buckets.max(initial=0))))
         return self._measured(width, rows, context) * factors[buckets]
 
@@ -222,9 +221,14 @@ class StepCost(Protocol):
         ...
 
 
+def _buckets(widths: np.ndarray) -> np.ndarray:
+    """Widths 1, 2, 3-4, 5-8, 9-16, … (a packed step's mean width rounded up) → 0, 1, 2, 3, 4, …: neighbours cost
+    alike. The bit length of ceil(width) - 1."""
+    return np.frexp(np.ceil(widths) - 1)[1]
+
+
 def _bucket(width: float) -> int:
-    """Widths 1, 2, 3-4, 5-8, 9-16, … (a packed step's mean width rounded up): neighbours cost alike."""
-    return (math.ceil(width) - 1).bit_length()
+    return int(_buckets(np.float64(width)))
 
 
 class Calibration:
