@@ -92,6 +92,45 @@ def test_a_batch_admits_in_arrival_order_and_rows_leave_when_done(tokenizer):
         assert not engine.verifier.holds(generation) and generation.drafter is None
 
 
+class _Recording:
+    """The engine's drafting, recording what each step says of its rows' chances of ending last."""
+
+    def __init__(self, drafting) -> None:
+        self.drafting = drafting
+        self.lasts: list[list[float] | None] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.drafting, name)
+
+    def fit(self, trees, context, last=None):
+        self.lasts.append(last)
+        return self.drafting.fit(trees, context, last)
+
+
+@tiny
+@pytest.mark.parametrize("closed", [False, True])
+def test_a_closed_batch_values_rows_by_their_end_once_none_waits(tokenizer, closed):
+    engine = _engine("llama", tokenizer)
+    prompts = _prompts(3, seed=3)
+    lengths = [6, 20, 14]
+    batch = engine.batch(2, closed=closed)
+    batch.drafting = recording = _Recording(batch.drafting)
+    generations = [engine.prepare(ids, n) for ids, n in zip(prompts, lengths, strict=True)]
+    for generation in generations:
+        batch.add(generation)
+    while batch:
+        batch.step()
+    for generation, ids, n in zip(generations, prompts, lengths, strict=True):
+        assert generation.output().token_ids == hf_greedy(engine.model, ids, n)
+    if not closed:
+        assert recording.lasts and all(last is None for last in recording.lasts), "a stream of requests: tokens alike"
+        return
+    assert recording.lasts[0] is None, "while one waits, a row that ends makes room: every token counts"
+    valued = [last for last in recording.lasts if last is not None]
+    assert valued and all(len(last) == 2 and sum(last) == pytest.approx(1.0) for last in valued)
+    assert len(recording.lasts) - len(valued) >= 2, "a step alone is not valued: it is the last row"
+
+
 @tiny
 def test_a_long_prompt_is_read_in_chunks_while_the_running_rows_keep_stepping(tokenizer):
     engine = _engine("llama", tokenizer)

@@ -2,6 +2,7 @@
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -291,3 +292,40 @@ def test_the_page_leads_with_the_summary_and_gives_every_result_set_its_command(
     assert "![plot](benchmarks/aaa-trie/part/plot.png)" in page
     assert "| all | lookahead |" in page and "ignored" not in page
     assert "- [aaa-trie/part](#aaa-triepart)" in page
+
+
+def _recorded(datasets: tuple[str, ...], per_set: int) -> tuple[dict, list[dict]]:
+    from lookahead.bench.replay import load_records
+
+    header, records = load_records(Path(__file__).parents[1] / "benchmarks/replay/smollm2-135m.jsonl")
+    return header, [record for name in datasets for record in [r for r in records if r["dataset"] == name][:per_set]]
+
+
+def test_a_closed_batch_replays_every_recorded_answer_and_drafts_copies():
+    from lookahead.bench.closedreplay import groups, run
+    from lookahead.drafting.policy import CostModel
+
+    header, records = _recorded(("code-edit", "mtbench"), 3)
+    cost = CostModel(header["cost_ms"], batched={3: {1: 70.0, 2: 80.0, 4: 100.0, 8: 140.0, 32: 400.0}})
+    found = groups(records, 3)
+    assert [len(found[name]) for name in ("code-edit", "mtbench", "mixed")] == [1, 1, 2]
+    assert [record["dataset"] for record in found["mixed"][0]] == ["code-edit", "mtbench", "code-edit"]
+    code = found["code-edit"][0]
+    plain = run(code, header, cost, drafts=False, closed=False, overhead_ms=0.0)
+    closed = run(code, header, cost, drafts=True, closed=True, overhead_ms=0.0)  # raises if an answer changed
+    assert plain["rounds"] == max(len(record["output_ids"]) for record in code) - 1, "the first token is prefill's"
+    assert closed["rounds"] < plain["rounds"] / 2 and closed["ms"] < plain["ms"]
+    assert run(code, header, cost, True, True, overhead_ms=1.0)["ms"] > closed["ms"], "drafting work a row a step"
+
+
+def test_closed_replay_prices_groups_by_this_machines_curves(tmp_path):
+    from lookahead.bench.closedreplay import main as replay_main
+
+    header, records = _recorded(("code-edit", "gsm8k"), 2)
+    path = tmp_path / "rec.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in [header, *records]))
+    assert replay_main([str(path), "--size", "2", "--out", str(tmp_path / "out")]) == 0
+    result = json.loads((tmp_path / "out" / "closed-replay.json").read_text())
+    assert [row["group"] for row in result["results"]] == ["code-edit", "gsm8k", "mixed"]
+    assert all(row["plain_s"] > 0 and row["closed"] > 0 and row["open"] > 0 for row in result["results"])
+    assert result["command"].startswith("python -m lookahead.bench.closedreplay")

@@ -302,3 +302,37 @@ def test_a_request_whose_drafts_fail_stops_drafting_within_a_few_steps_and_recov
     for _ in range(3):
         policy.learn(chain, [1, 2, 3, 4, 5, 6], request)  # then copies hold (as a replay shows, whatever was sent)
     assert len(sent()) == 6, "and it drafts again once they do"
+
+
+def test_a_closed_batch_values_a_row_by_its_chance_of_ending_last():
+    policy = _packed(BATCH)
+    rows = 8
+    even = policy.worth([1 / rows] * rows)
+    assert even == pytest.approx([BATCH.predict(1, rows) / rows] * rows), "alike: a step's price over its rows"
+    ahead = policy.worth([0.0] + [1 / (rows - 1)] * (rows - 1))
+    share = (BATCH.predict(1, rows) - BATCH.predict(1, 1)) / (rows - 1)
+    assert ahead[0] == pytest.approx(share), "a row that ends early saves only its share of the steps it leaves"
+    assert list(ahead[1:]) == pytest.approx(list(even[1:])), "and none counts for more than in an open batch"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.floats(0.0, 1.0), max_size=6), min_size=2, max_size=5), st.floats(0.01, 100.0))
+def test_rows_worth_alike_send_what_unweighted_rows_send(chances, scale):
+    chances = [sorted(row, reverse=True) for row in chances]
+    alike = [scale] * len(chances)
+    assert best_sizes(chances, BATCH, worth=alike) == best_sizes(chances, BATCH)
+    assert best_width(chances, BATCH, worth=alike) == best_width(chances, BATCH)
+
+
+CPU_LIKE_BATCH = CostModel({1: 60.0, 2: 62.0, 4: 66.0, 8: 75.0}, batched={4: {1: 72.0, 2: 84.0, 4: 108.0, 8: 156.0}})
+"""Each draft node ~3 ms, a row's share of a plain step ~4 ms, a step alone 60 ms."""
+
+
+def test_rows_sure_to_end_first_draft_less_than_in_an_open_batch():
+    likely = DraftTree([1, 2, 3], [0, 1, 2], chances=[0.95, 0.6, 0.4])
+    open_batch = _packed(CPU_LIKE_BATCH).fit([likely] * 4)
+    closed = _packed(CPU_LIKE_BATCH).fit([likely] * 4, last=[0.0, 0.0, 0.0, 1.0])
+    assert [len(tree) for tree in open_batch] == [3, 3, 3, 3]
+    assert [len(tree) for tree in closed] == [1, 1, 1, 3], "rows ending early: only their likeliest node"
+    idle_last = _packed(CPU_LIKE_BATCH).fit([likely] * 3 + [DraftTree()], last=[0.0, 0.0, 0.0, 1.0])
+    assert [len(tree) for tree in idle_last] == [2, 2, 2, 0], "nothing from the last row: more of theirs pay"

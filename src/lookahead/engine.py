@@ -221,7 +221,7 @@ class LookaheadEngine:
         _check_max_batch(max_batch)
         rows = _per_prompt(len(prompts), {"max_new_tokens": max_new_tokens, **options})
         generations = [self.prepare(prompt, **row) for prompt, row in zip(prompts, rows, strict=True)]
-        batch = self.batch(max(1, min(max_batch, len(prompts))), use_lookahead)
+        batch = self.batch(max(1, min(max_batch, len(prompts))), use_lookahead, closed=True)
         for generation in generations:
             batch.add(generation)
         show = sys.stderr.isatty() if progress is None else progress
@@ -235,18 +235,19 @@ class LookaheadEngine:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def batch(self, max_batch: int, use_lookahead: bool = True) -> Batch:
+    def batch(self, max_batch: int, use_lookahead: bool = True, closed: bool = False) -> Batch:
         """A continuous batch on this engine: add prepared generations, call `step()` until it is empty.
 
         The first batch of more than one row probes once whether this model verifies rows of
         different lengths together (else they are verified one at a time, with a warning) and
-        measures the cost of batched steps for the adaptive policy (cached on disk).
+        measures the cost of batched steps for the adaptive policy (cached on disk). `closed`:
+        every generation is added before the first step (see Batch).
         """
         _check_max_batch(max_batch)
         if max_batch > 1:
             self._enable_batching(max_batch)
         chunk = PREFILL_CHUNK if max_batch > 1 else None
-        return Batch(self.verifier, self._drafting(use_lookahead), max_batch, prefill_chunk=chunk)
+        return Batch(self.verifier, self._drafting(use_lookahead), max_batch, prefill_chunk=chunk, closed=closed)
 
     def _drafting(self, use_lookahead: bool) -> TrieDrafting | None:
         return self.drafting if use_lookahead and self.draft_mode != "off" else None

@@ -64,8 +64,11 @@ def _percentile(values: list[float], share: float) -> float:
 class _Run:
     """One method's continuous batch in an interleaved comparison, on its own clock: the time of its own rounds."""
 
-    def __init__(self, engine: LookaheadEngine, prompts: list[list[int]], streams: int, new_tokens: int, drafts: bool):
-        self.batch = engine.batch(streams, use_lookahead=drafts)
+    def __init__(
+        self, engine: LookaheadEngine, prompts: list[list[int]], streams: int, new_tokens: int, drafts: bool,
+        closed: bool = False,
+    ):  # fmt: skip
+        self.batch = engine.batch(streams, use_lookahead=drafts, closed=closed)
         self.generations = [engine.prepare(ids, new_tokens) for ids in prompts]
         for generation in self.generations:
             self.batch.add(generation)
@@ -105,15 +108,22 @@ class _Run:
 
 
 def run_batched(
-    engines: dict[str, tuple[LookaheadEngine, bool]], prompts: list[list[int]], streams: int, new_tokens: int
+    engines: dict[str, tuple[LookaheadEngine, bool]],
+    prompts: list[list[int]],
+    streams: int,
+    new_tokens: int,
+    closed: bool = False,
 ) -> dict:
     """C streams through each engine's continuous batch (name -> (engine, whether it drafts)), round by round in turn.
 
     The methods take turns one round at a time and each is timed by its own rounds only, so
     a slow spell of a shared machine falls on all alike instead of on whichever ran then.
     Returns per method its outputs and figures; the peak resident memory is of all batches.
+    `closed`: the prompts are one list to decode, as `generate_batch` takes it (decoding/batch.py: Batch).
     """
-    runs = {name: _Run(engine, prompts, streams, new_tokens, drafts) for name, (engine, drafts) in engines.items()}
+    runs = {
+        name: _Run(engine, prompts, streams, new_tokens, drafts, closed) for name, (engine, drafts) in engines.items()
+    }
     peak_rss = 0.0
     while any(run.batch for run in runs.values()):
         for run in runs.values():

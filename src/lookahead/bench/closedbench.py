@@ -94,7 +94,7 @@ def compare(model, tokenizer, group: list[list[int]], new_tokens: int, passes: i
             engine = fresh_engine(model, tokenizer, len(group))
             engine.verifier = Traced(engine.verifier, engine, logs.setdefault(name, []))
             engines[name] = (engine, name == "lookahead")
-        for name, (outputs, row) in run_batched(engines, group, len(group), new_tokens).items():
+        for name, (outputs, row) in run_batched(engines, group, len(group), new_tokens, closed=True).items():
             steps = [entry for entry in logs[name] if "rows" in entry]
             trace.append({"drafts": name == "lookahead", "prompts": len(group), "passes": logs[name]})
             runs[name].append({**row, "outputs": [out.token_ids for out in outputs], "rounds": len(steps),

@@ -219,7 +219,7 @@ class _Listening:
         self.listener = _Listener()
         return self.listener
 
-    def fit(self, trees: Sequence[DraftTree], context: int) -> list[DraftTree]:
+    def fit(self, trees: Sequence[DraftTree], context: int, last: Sequence[float] | None = None) -> list[DraftTree]:
         return list(trees)
 
     def observe(self, trees: Sequence[DraftTree], milliseconds: float, context: int) -> None:

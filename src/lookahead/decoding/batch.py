@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Iterator
 
 from ..drafting.drafter import Drafting
+from .ends import Ends
 from .generation import Generation
 from .step import Verifier, start, step
 
@@ -23,15 +24,26 @@ class Batch:
     With `prefill_chunk`, a joining prompt is read at most that many tokens a round (all
     joiners together) while other generations are running, so a long prompt delays their
     steps by one chunk's forward pass at a time instead of by its whole prefill.
+
+    `closed`: every generation is added before the first step (a list to decode, not a
+    stream of requests). Once none waits, the batch is done when its last row is, so the
+    policy values each row's draft tokens by its chance of ending last (decoding/ends.py).
     """
 
     def __init__(
-        self, verifier: Verifier, drafting: Drafting | None, max_batch: int = 1, prefill_chunk: int | None = None
+        self,
+        verifier: Verifier,
+        drafting: Drafting | None,
+        max_batch: int = 1,
+        prefill_chunk: int | None = None,
+        closed: bool = False,
     ) -> None:
         self.verifier = verifier
         self.drafting = drafting
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
+        self._ends = Ends() if closed and drafting is not None else None
+        """The closed batch's rows' paces (None for an open one)."""
         self.waiting: deque[Generation] = deque()
         self.prefilling: list[Generation] = []
         self.running: list[Generation] = []
@@ -79,6 +91,9 @@ class Batch:
             sent_before = [generation.stats.draft_tokens for generation in self.running]
             groups = [self.running] if self.verifier.batched else [[generation] for generation in self.running]
             stepped = [event for group in groups for event in zip(group, self._step(group), strict=True)]
+            if self._ends is not None:
+                for generation, kept in stepped:
+                    self._ends.stepped(generation, len(kept))
             sent = [g.stats.draft_tokens - before for (g, _), before in zip(stepped, sent_before, strict=True)]
             self.last_width = 1 + max(sent)
             events += stepped
@@ -90,7 +105,9 @@ class Batch:
         return events
 
     def _step(self, group: list[Generation]) -> list[list[int]]:
-        return step(group, self.verifier, self.drafting)
+        closing = self._ends is not None and not self.waiting and len(group) > 1
+        last = self._ends.last(group).tolist() if closing else None
+        return step(group, self.verifier, self.drafting, last)
 
     def _allot(self) -> list[int]:
         """Prompt tokens each joining generation reads this round: all of them when nothing else runs."""
@@ -112,6 +129,8 @@ class Batch:
         self.waiting.clear()
 
     def _leave(self, generation: Generation) -> None:
+        if self._ends is not None:
+            self._ends.forget(generation)
         if generation.drafter is not None:
             generation.drafter.close()
             generation.drafter = None

@@ -71,16 +71,22 @@ def start(
     return [None if token is None else g.take([token]) for g, token in zip(generations, firsts, strict=True)]
 
 
-def step(generations: Sequence[Generation], verifier: Verifier, drafting: Drafting | None = None) -> list[list[int]]:
+def step(
+    generations: Sequence[Generation],
+    verifier: Verifier,
+    drafting: Drafting | None = None,
+    last: Sequence[float] | None = None,
+) -> list[list[int]]:
     """Draft → verify → keep, once for every generation; the tokens each one kept.
 
     With `drafting`, the rows' candidates are cut together to the width worth its cost,
-    and the step's time is reported back to it.
+    and the step's time is reported back to it. `last`: in a closed batch, each row's chance
+    of ending last (what its tokens are worth: decoding/ends.py).
     """
     trees = [_propose(generation, verifier, alone=len(generations) == 1) for generation in generations]
     context = longest_context(generations)
     if drafting is not None:
-        trees = drafting.fit(trees, context)
+        trees = drafting.fit(trees, context, last)
     verdicts, milliseconds = verifier.verify(generations, trees)
     if drafting is not None:
         drafting.observe(trees, milliseconds, context)

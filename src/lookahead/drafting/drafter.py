@@ -55,8 +55,11 @@ class Drafting(Protocol):
 
     def open(self, prompt: Sequence[int]) -> Drafter: ...
 
-    def fit(self, trees: Sequence[DraftTree], context: int) -> list[DraftTree]:
-        """The part of each row's candidates to verify in this step (a prefix of each); `context`: the longest row's."""
+    def fit(self, trees: Sequence[DraftTree], context: int, last: Sequence[float] | None = None) -> list[DraftTree]:
+        """The part of each row's candidates to verify in this step (a prefix of each); `context`: the longest row's.
+
+        `last`: in a closed batch, each row's chance of ending last (decoding/ends.py), else None.
+        """
         ...
 
     def observe(self, trees: Sequence[DraftTree], milliseconds: float, context: int) -> None:
@@ -137,8 +140,8 @@ class TrieDrafting:
     def open(self, prompt: Sequence[int]) -> TrieDrafter:
         return TrieDrafter(self.trie, self.config, self.policy, prompt)
 
-    def fit(self, trees: Sequence[DraftTree], context: int) -> list[DraftTree]:
-        return self.policy.fit(trees, context)
+    def fit(self, trees: Sequence[DraftTree], context: int, last: Sequence[float] | None = None) -> list[DraftTree]:
+        return self.policy.fit(trees, context, last)
 
     def observe(self, trees: Sequence[DraftTree], milliseconds: float, context: int) -> None:
         self.policy.observe(trees, milliseconds, context)

@@ -111,6 +111,16 @@ class CostModel:
         """(rows, width bucket) -> (observed / measured, steps of evidence, step count when last seen)."""
         self._steps = 0
 
+    def measurement(self) -> CostModel:
+        """A cost model of the same measured curves, without what this one learned from real steps."""
+        points = {rows: dict(zip(w.tolist(), ms.tolist(), strict=True)) for rows, (w, ms) in self._curves.items()}
+        longer = {
+            length: dict(zip(w.tolist(), ms.tolist(), strict=True))
+            for length, (w, ms) in self._contexts
+            if length != BASE_CONTEXT
+        }
+        return CostModel(points[1], {rows: curve for rows, curve in points.items() if rows != 1}, longer)
+
     @property
     def rows(self) -> list[int]:
         """The row counts measured."""
@@ -371,6 +381,11 @@ class RequestRates:
         self.accepted = self.accepted * LEVEL_FADE + float(outcomes.sum())
         self.expected = self.expected * LEVEL_FADE + float(expected.sum())
 
+    def fade(self) -> None:
+        """A step that sent nothing: the level's evidence fades (what `record` of no nodes does)."""
+        self.accepted *= LEVEL_FADE
+        self.expected *= LEVEL_FADE
+
 
 LEVEL_WEIGHT = 3.0
 """Tried nodes of neutral evidence in a request's level."""
@@ -380,38 +395,54 @@ MOST_LIKELY = 0.98
 """No edge is ever certain: a raised level must not make a long draft look free of risk."""
 
 
-def best_width(chances: Sequence[Sequence[float]], cost: StepCost, context: int = BASE_CONTEXT) -> int:
+def best_width(
+    chances: Sequence[Sequence[float]],
+    cost: StepCost,
+    context: int = BASE_CONTEXT,
+    worth: Sequence[float] | None = None,
+) -> int:
     """Draft nodes per row worth sending: most expected tokens of all rows per predicted millisecond.
 
     `chances[b]` are row b's candidates' chances of acceptance, likeliest first. Every row of
     a batch pays for the widest row's block, so each row sends its first k nodes (fewer if it
     has fewer) for one k; 0 means plain decoding of every row this step. `context`: the
-    longest row's cached tokens (the padded batch's length).
+    longest row's cached tokens (the padded batch's length). `worth[b]`: what a token of row b
+    is worth (default: every row's alike; see `DraftPolicy.worth`).
     """
     rows = len(chances)
+    weights = np.ones(rows) if worth is None else np.asarray(worth, dtype=np.float64)
     widest = max(map(len, chances), default=0)
     gains = np.zeros(widest + 1)  # [0]: the plain step's row tokens; [k]: what every row's k-th node adds
-    gains[0] = rows
-    for row in chances:
-        gains[1 : len(row) + 1] += row
+    gains[0] = weights.sum()
+    for weight, row in zip(weights, chances, strict=True):
+        gains[1 : len(row) + 1] += weight * np.asarray(row, dtype=np.float64)
     rates = np.cumsum(gains) / cost.predict_widths(range(1, widest + 2), rows, context)
     return int(np.argmax(rates))  # the first best: a tie goes to the smaller block
 
 
-def best_sizes(chances: Sequence[Sequence[float]], cost: StepCost, context: int = BASE_CONTEXT) -> list[int]:
+def best_sizes(
+    chances: Sequence[Sequence[float]],
+    cost: StepCost,
+    context: int = BASE_CONTEXT,
+    worth: Sequence[float] | None = None,
+) -> list[int]:
     """Draft nodes worth sending from each row of a packed batch, where a step costs by the tokens it carries.
 
     Each row pays only for its own nodes (decoding/slab.py), so the batch's candidates
     compete: the step sends the likeliest k of all rows' nodes for the k that gives most
     expected tokens per predicted millisecond, priced at the mean tokens a row. Each row's
     share is a prefix of its candidates (likeliest first): a row's later node never outranks
-    its earlier one.
+    its earlier one. `worth[b]`: what a token of row b is worth (default: every row's alike),
+    so nodes rank by worth times chance.
     """
     rows = len(chances)
+    weights = [1.0] * rows if worth is None else [float(weight) for weight in worth]
     ranked = sorted(
-        ((-value, row, index) for row, values in enumerate(chances) for index, value in enumerate(_falling(values))),
+        (-weights[row] * value, row, index)
+        for row, values in enumerate(chances)
+        for index, value in enumerate(_falling(values))
     )
-    gains = np.cumsum([rows, *(-value for value, _, _ in ranked)])
+    gains = np.cumsum([sum(weights), *(-value for value, _, _ in ranked)])
     widths = (rows + np.arange(len(ranked) + 1)) / rows
     best = int(np.argmax(gains / cost.predict_widths(widths, rows, context)))  # a tie goes to fewer nodes
     sizes = [0] * rows
@@ -499,19 +530,41 @@ class DraftPolicy:
         """Per cell, the chance a node is accepted once its parent is, as `request` should expect it."""
         return request.rates(self.calibration.rates(TRIE_PRIOR))
 
-    def fit(self, trees: Sequence[DraftTree], context: int = BASE_CONTEXT) -> list[DraftTree]:
+    def fit(
+        self, trees: Sequence[DraftTree], context: int = BASE_CONTEXT, last: Sequence[float] | None = None
+    ) -> list[DraftTree]:
         """What each row sends of its candidates (likeliest first): the width worth its cost for all rows together.
 
-        `context`: the cached tokens of the longest row.
+        `context`: the cached tokens of the longest row. `last`: in a closed batch (nothing
+        waits to join), each row's chance of ending last (decoding/ends.py); None: rows' tokens
+        are worth alike.
         """
         if self.cost is None or not any(trees):
             return list(trees)
         chances = [tree.chances for tree in trees]
+        worth = None if last is None or len(trees) == 1 else self.worth(last, context)
         if self.packed and len(trees) > 1:
-            sizes = best_sizes(chances, self.cost, context)
+            sizes = best_sizes(chances, self.cost, context, worth)
             return [tree.prefix(size) for tree, size in zip(trees, sizes, strict=True)]
-        size = best_width(chances, self.cost, context)
+        size = best_width(chances, self.cost, context, worth)
         return [tree.prefix(size) for tree in trees]
+
+    def worth(self, last: Sequence[float], context: int = BASE_CONTEXT) -> np.ndarray:
+        """Milliseconds a token of each row of a closed batch takes off the batch, by its chance of ending last.
+
+        A row ending a step sooner saves, if it is the last, the step of one row it would have
+        run alone; if not, only its share of the steps it leaves early: what a row adds to a
+        plain step of this many rows, by the cost curves. With equal chances this is a step's
+        price over its rows, an open batch's valuation, and no row is worth more than that: the
+        chances are estimates (a row's pace drops when it stops drafting), and rows thought
+        last, valued above it, drafted more than they paid back in replays of recorded answers.
+        """
+        assert self.cost is not None
+        chances = np.asarray(last, dtype=np.float64)
+        rows = len(chances)
+        alone, together = self.cost.predict_widths([1], 1, context)[0], self.cost.predict_widths([1], rows, context)[0]
+        share = max(float(together - alone), 0.0) / max(rows - 1, 1)
+        return np.minimum(share + chances * max(float(alone) - share, 0.0), float(together) / rows)
 
     def floors(self, budget: int, context: int) -> list[float] | None:
         """For a row alone in its step, after `context` cached tokens: `floor_factors` of up to `budget` nodes
@@ -527,6 +580,9 @@ class DraftPolicy:
     def learn(self, tree: DraftTree, accepted: Sequence[int], request: RequestRates) -> None:
         """Calibrate, engine-wide and for the request, by what verification kept of `tree` (block indices)."""
         if self.cost is None:
+            return
+        if not len(tree):  # most rows of a batch, most steps: nothing to count
+            request.fade()
             return
         cells, outcomes, expected = Calibration.observations(tree, accepted)  # once for both
         self.calibration.record(cells, outcomes)
