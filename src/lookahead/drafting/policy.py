@@ -437,18 +437,16 @@ def best_sizes(
     """
     rows = len(chances)
     weights = [1.0] * rows if worth is None else [float(weight) for weight in worth]
-    ranked = sorted(
-        (-weights[row] * value, row, index)
-        for row, values in enumerate(chances)
-        for index, value in enumerate(_falling(values))
-    )
-    gains = np.cumsum([sum(weights), *(-value for value, _, _ in ranked)])
-    widths = (rows + np.arange(len(ranked) + 1)) / rows
+    falling = [_falling(values) for values in chances]
+    counts = [len(values) for values in falling]
+    row_of = np.repeat(np.arange(rows), counts)
+    place = np.concatenate([np.arange(count) for count in counts]) if rows else np.zeros(0, dtype=np.int64)
+    value = np.concatenate([np.zeros(0), *falling]) * np.repeat(weights, counts)
+    order = np.lexsort((place, row_of, -value))  # likeliest first; a tie: the earlier row, then the earlier node
+    gains = np.cumsum(np.concatenate([[sum(weights)], value[order]]))
+    widths = (rows + np.arange(len(order) + 1)) / rows
     best = int(np.argmax(gains / cost.predict_widths(widths, rows, context)))  # a tie goes to fewer nodes
-    sizes = [0] * rows
-    for _, row, _ in ranked[:best]:
-        sizes[row] += 1
-    return sizes
+    return np.bincount(row_of[order[:best]], minlength=rows).tolist()
 
 
 FLOOR_PLACES = 64
