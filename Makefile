@@ -130,10 +130,12 @@ replay-full: models
 	$(BIN)/lookahead replay benchmarks/replay-qwen/qwen2.5-coder-0.5b.jsonl --sweep --out benchmarks/replay-qwen
 
 # Concurrent streams 1-16: batched lookahead vs batched plain vs transformers' batches (benchmarks/batch-smollm2-135m/);
-# closed batches of 8 and 16 prompts, per set and mixed, and through lookahead.hf.generate (benchmarks/closed-smollm2-135m/).
+# closed batches of 8 and 16 prompts, per set and mixed, and through lookahead.hf.generate (benchmarks/closed-smollm2-135m/);
+# closed batches of 8 replayed from the recorded answers, priced by this machine's curves (benchmarks/closed-replay-smollm2-135m/).
 bench-batch: setup
 	$(BIN)/python -m lookahead.bench.batchbench --out benchmarks/batch-smollm2-135m
 	$(BIN)/python -m lookahead.bench.closedbench --hf --out benchmarks/closed-smollm2-135m
+	$(BIN)/python -m lookahead.bench.closedreplay benchmarks/replay/smollm2-135m.jsonl --out benchmarks/closed-replay-smollm2-135m
 
 # The same on Qwen2.5-Coder-0.5B, two prompts a client (about 35 minutes on 2 cores).
 bench-batch-full: models
