@@ -95,10 +95,13 @@ def test_retrieval_stops_at_the_first_node_under_its_floor():
     trie.insert([1, 5, 6, 7])
     full = trie.retrieve([1], 8, 3)  # two branches of chance 1/2 each
     assert full.chances[:2] == [0.5, 0.5]
-    assert trie.retrieve([1], 8, 3, floors=[0.0] * 8).tokens == full.tokens
-    assert trie.retrieve([1], 8, 3, floors=[0.6] * 8).tokens == []  # 0.5 < 0.6 x 1
-    stopped = trie.retrieve([1], 8, 3, floors=[0.4, 0.4, 0.4] + [0.0] * 5)
+    assert trie.retrieve([1], 8, 3, floors=lambda: [0.0] * 8).tokens == full.tokens
+    assert trie.retrieve([1], 8, 3, floors=lambda: [0.6] * 8).tokens == []  # 0.5 < 0.6 x 1
+    stopped = trie.retrieve([1], 8, 3, floors=lambda: [0.4, 0.4, 0.4] + [0.0] * 5)
     assert stopped.tokens == full.tokens[:1]  # the second 0.5 < 0.4 x (1 + 0.5)
+    priced = []
+    assert trie.retrieve([9], 8, 3, floors=lambda: priced.append(1) or [0.0] * 8).tokens == []
+    assert not priced, "nothing matched: the floors are never priced"
 
 
 def test_end_of_turn_is_a_boundary_not_an_end():

@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -46,11 +46,31 @@ def _curve(points: Mapping[int | str, float]) -> tuple[list[int], list[float]]:
     return widths, base
 
 
-def _at(widths: np.ndarray, base: np.ndarray, width: np.ndarray) -> np.ndarray:
-    """The curve at each of `width`, linear between points and beyond the ends (never below half the narrowest)."""
-    i = np.minimum(np.maximum(np.searchsorted(widths, width, side="left"), 1), len(widths) - 1)  # np.clip: 10 µs
-    w0, w1, c0, c1 = widths[i - 1], widths[i], base[i - 1], base[i]
-    return np.maximum(c0 + (c1 - c0) * (width - w0) / (w1 - w0), base[0] * 0.5)
+FAR = 1e7
+"""Where a curve's end segments are carried to, so that interpolation extrapolates them (no pass is that wide)."""
+
+
+class _Line(NamedTuple):
+    """A smoothed curve: its points, and the same points with the end segments carried out to ±FAR, which
+    `np.interp` (one C call: a step prices many widths, many times) evaluates as the curve."""
+
+    widths: list[int]
+    base: list[float]
+    xs: np.ndarray
+    ys: np.ndarray
+
+    @classmethod
+    def of(cls, widths: list[int], base: list[float]) -> _Line:
+        (w0, w1, *_), (c0, c1, *_) = widths, base
+        *_, v0, v1 = widths
+        *_, d0, d1 = base
+        xs = np.array([-FAR, *widths, FAR], dtype=np.float64)
+        ys = np.array([c0 - (c1 - c0) * (FAR + w0) / (w1 - w0), *base, d1 + (d1 - d0) * (FAR - v1) / (v1 - v0)])
+        return cls(widths, base, xs, ys)
+
+    def at(self, width: np.ndarray) -> np.ndarray:
+        """The curve at each of `width`, linear between points and beyond the ends (never below half the narrowest)."""
+        return np.maximum(np.interp(width, self.xs, self.ys), self.base[0] * 0.5)
 
 
 BASE_CONTEXT = 128
@@ -98,11 +118,11 @@ class CostModel:
         """The curve of one row."""
         curves = {1: (self.widths, self.base)}
         curves.update({int(rows): _curve(curve) for rows, curve in (batched or {}).items()})
-        self._curves = {rows: (np.array(w), np.array(ms)) for rows, (w, ms) in curves.items()}
+        self._curves = {rows: _Line.of(w, ms) for rows, (w, ms) in curves.items()}
         self._rows = sorted(self._curves)
         longer = {int(length): _curve(curve) for length, curve in (contexts or {}).items()}
         self._contexts = [
-            (length, (np.array(w), np.array(ms)))
+            (length, _Line.of(w, ms))
             for length, (w, ms) in sorted({**longer, BASE_CONTEXT: (self.widths, self.base)}.items())
         ]
         self.scale = 1.0
@@ -113,10 +133,10 @@ class CostModel:
 
     def measurement(self) -> CostModel:
         """A cost model of the same measured curves, without what this one learned from real steps."""
-        points = {rows: dict(zip(w.tolist(), ms.tolist(), strict=True)) for rows, (w, ms) in self._curves.items()}
+        points = {rows: dict(zip(line.widths, line.base, strict=True)) for rows, line in self._curves.items()}
         longer = {
-            length: dict(zip(w.tolist(), ms.tolist(), strict=True))
-            for length, (w, ms) in self._contexts
+            length: dict(zip(line.widths, line.base, strict=True))
+            for length, line in self._contexts
             if length != BASE_CONTEXT
         }
         return CostModel(points[1], {rows: curve for rows, curve in points.items() if rows != 1}, longer)
@@ -136,7 +156,7 @@ class CostModel:
         return float(self._measured(np.array([width]), rows, context)[0])
 
     def _measured(self, width: np.ndarray, rows: int, context: int) -> np.ndarray:
-        one_row = _at(*self._curves[1], width)
+        one_row = self._curves[1].at(width)
         at_base = one_row if rows == 1 or len(self._rows) == 1 else self._rows_at(width, rows)
         if len(self._contexts) == 1 or context == BASE_CONTEXT:
             return at_base
@@ -146,7 +166,7 @@ class CostModel:
         known = self._rows
         i = min(max(bisect.bisect_left(known, rows), 1), len(known) - 1)
         r0, r1 = known[i - 1], known[i]
-        c0, c1 = (_at(*self._curves[r], width) for r in (r0, r1))
+        c0, c1 = (self._curves[r].at(width) for r in (r0, r1))
         return np.maximum(c0 + (c1 - c0) * (rows - r0) / (r1 - r0), c0)  # more rows never cost less
 
     def _longer(self, width: np.ndarray, context: int, one_row: np.ndarray) -> np.ndarray:
@@ -154,7 +174,7 @@ class CostModel:
         lengths = self.contexts
         i = min(max(bisect.bisect_left(lengths, context), 1), len(lengths) - 1)
         (l0, curve0), (l1, curve1) = self._contexts[i - 1], self._contexts[i]
-        c0, c1 = _at(*curve0, width), _at(*curve1, width)
+        c0, c1 = curve0.at(width), curve1.at(width)
         return np.maximum(c0 + (c1 - c0) * (context - l0) / (l1 - l0), one_row * 0.5)
 
     def factor(self, width: float, rows: int = 1) -> float:

@@ -113,7 +113,7 @@ class _Expansion:
         chance: EdgeChance | None,
         followers: Callable[[int], list[int]] | None,
         min_score: float,
-        floors: Sequence[float] | None = None,
+        floors: Callable[[], Sequence[float]] | None = None,
     ) -> None:
         self.budget = budget
         self.floors = floors
@@ -128,8 +128,9 @@ class _Expansion:
 
     def best_first(self, start: list[_Place], root: int, max_depth: int) -> DraftTree:
         """The tree grown from `root` (whose n-gram lies at the places `start`), likeliest node first."""
-        tree, heap, floors = self.tree, self.heap, self.floors
+        tree, heap = self.tree, self.heap
         self.push_children(start, root, 0, 1.0, 1)
+        floors = self.floors() if self.floors is not None and heap else None  # priced only when there is a node
         taken = 1.0  # one for the root's own token, plus the chances of the nodes so far
         while heap and len(tree.tokens) < self.budget:
             neg_chance, _, token, parent, depth, ratio, flag, places = heapq.heappop(heap)
@@ -373,7 +374,7 @@ class TokenTrie:
         branching: bool = True,
         min_score: float = 0.0,
         chance: EdgeChance | None = None,
-        floors: Sequence[float] | None = None,
+        floors: Callable[[], Sequence[float]] | None = None,
     ) -> DraftTree:
         """Best-first draft tree below the longest matched tail of `context`, and from the recycled table.
 
@@ -386,9 +387,9 @@ class TokenTrie:
         `chance(source flags, count ratio, parent is a draft node)` when the caller has learned
         better (the adaptive policy), and listed in that order with those chances, so every
         prefix of the tree is a tree. At most `budget` nodes, `max_depth` deep, and none past the
-        first whose chance is under its floor (policy.floor_factors: `floors[i]` times 1 + the
-        chances before it, for the node at place i + 1; nodes after it are no likelier; `floors`
-        has at least `budget` entries); with
+        first whose chance is under its floor (policy.floor_factors: `floors()[i]` times 1 + the
+        chances before it, for the node at place i + 1; nodes after it are no likelier; `floors()`,
+        called once there is a node to take, has at least `budget` entries); with
         `branching` off, a single path (for models that cannot take a tree mask). The Python
         work done is bounded by the budget times SCAN_CHILDREN per source, whatever the trie's
         or the prompt's size (a prompt index adds one numpy pass over a wide node's occurrences).
