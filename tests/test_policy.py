@@ -316,8 +316,9 @@ def test_a_closed_batch_values_a_row_by_its_chance_of_ending_last():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.lists(st.floats(0.0, 1.0), max_size=6), min_size=2, max_size=5), st.floats(0.01, 100.0))
-def test_rows_worth_alike_send_what_unweighted_rows_send(chances, scale):
+@given(st.lists(st.lists(st.floats(0.0, 1.0), max_size=6), min_size=2, max_size=5), st.integers(-6, 6))
+def test_rows_worth_alike_send_what_unweighted_rows_send(chances, power):
+    scale = 2.0**power  # exact: a scaled chance ties where the chance does
     chances = [sorted(row, reverse=True) for row in chances]
     alike = [scale] * len(chances)
     assert best_sizes(chances, BATCH, worth=alike) == best_sizes(chances, BATCH)
@@ -336,3 +337,17 @@ def test_rows_sure_to_end_first_draft_less_than_in_an_open_batch():
     assert [len(tree) for tree in closed] == [1, 1, 1, 3], "rows ending early: only their likeliest node"
     idle_last = _packed(CPU_LIKE_BATCH).fit([likely] * 3 + [DraftTree()], last=[0.0, 0.0, 0.0, 1.0])
     assert [len(tree) for tree in idle_last] == [2, 2, 2, 0], "nothing from the last row: more of theirs pay"
+
+
+def test_a_cost_models_measurement_forgets_what_it_learned():
+    cost = CostModel({1: 50.0, 8: 60.0}, batched={4: {1: 70.0, 8: 120.0}}, contexts={1024: {1: 60.0, 8: 75.0}})
+    fresh = cost.measurement()
+    for _ in range(20):
+        cost.observe(1, 80.0)
+        cost.observe(3, 110.0, rows=4, context=600)
+    widths = [1.0, 2.5, 8.0, 30.0]
+    for rows, context in [(1, 128), (4, 600), (2, 2000)]:
+        assert cost.measurement().predict_widths(widths, rows, context) == pytest.approx(
+            fresh.predict_widths(widths, rows, context)
+        )
+    assert cost.predict(1) > fresh.predict(1), "the model itself learned"

@@ -101,7 +101,10 @@ def test_retrieval_stops_at_the_first_node_under_its_floor():
     assert stopped.tokens == full.tokens[:1]  # the second 0.5 < 0.4 x (1 + 0.5)
     priced = []
     assert trie.retrieve([9], 8, 3, floors=lambda: priced.append(1) or [0.0] * 8).tokens == []
-    assert not priced, "nothing matched: the floors are never priced"
+    assert trie.retrieve([1], 8, 3, min_score=1.0, floors=lambda: priced.append(1) or [0.0] * 8).tokens == []
+    assert not priced, "no node to take (nothing matched, or nothing likely enough): the floors are never priced"
+    trie.retrieve([1], 8, 3, floors=lambda: priced.append(1) or [0.0] * 8)
+    assert priced == [1]
 
 
 def test_end_of_turn_is_a_boundary_not_an_end():

@@ -1,7 +1,7 @@
 """Closed batches replayed from recorded answers: a batch policy's cost in seconds, without the clock's noise.
 
-A closed batch on a shared CPU swings by 5-15 % from one pass to the next (closedbench.py),
-more than most policy changes move it. Greedy output is deterministic, so the answers
+A closed batch on a shared CPU swings from one pass to the next (closedbench.py) by more
+than most policy changes move it. Greedy output is deterministic, so the answers
 recorded by `lookahead replay --record` fix what every row emits; this runs the engine's own
 `Batch` and step over groups of them — each row verified by its recording, every step priced
 by this machine's cost curves for one row and for batches (the model is loaded only to read
@@ -37,7 +37,8 @@ from .replay import RecordingVerifier, load_records
 from .report import add_model_options, markdown_table, run_record
 
 OVERHEAD_MS = 0.47
-"""Drafting work a row costs a step beside the forward pass (proposing, learning, fitting; SmolLM2 on 2 cores)."""
+"""Drafting work a row costs a step beside the forward pass (proposing, learning, fitting), as measured for the
+bundled model on 2 cores (benchmarks/NOTES.md, closed batches)."""
 COLUMNS = ["group", "batches", "plain_s", "closed_s", "closed", "open", "closed_rounds", "plain_rounds"]
 
 
@@ -70,14 +71,24 @@ class RecordedRows:
         pass
 
 
-def run(group: list[dict], header: dict, measured: CostModel, drafts: bool, closed: bool, overhead_ms: float) -> dict:
-    """One closed batch of the recorded `group`: its priced milliseconds and rounds."""
-    cost = measured.measurement()
+def run(
+    group: list[dict],
+    header: dict,
+    measured: CostModel,
+    drafts: bool,
+    closed: bool,
+    overhead_ms: float,
+    config: LookaheadConfig | None = None,
+    packed: bool = True,
+) -> dict:
+    """One closed batch of the recorded `group`: its priced milliseconds and rounds (`packed`: rows pay for their own
+    blocks, else every row for the widest)."""
     rows = RecordedRows(header["draft_mode"] == "tree")
-    verifier = Priced(rows, cost, packed=True)
-    drafting = TrieDrafting.from_config(LookaheadConfig(), header["eos_ids"], cost) if drafts else None
+    verifier = Priced(rows, measured.measurement(), packed=packed)  # the clock's stand-in
+    config = config or LookaheadConfig()
+    drafting = TrieDrafting.from_config(config, header["eos_ids"], measured.measurement()) if drafts else None
     if drafting is not None:
-        drafting.policy.packed = True
+        drafting.policy.packed = packed
     batch = Batch(verifier, drafting, max_batch=len(group), closed=closed)
     generations = []
     for record in group:
@@ -113,7 +124,7 @@ def groups(records: list[dict], size: int) -> dict[str, list[list[dict]]]:
         ]
         if len(turns) >= size:
             mixed.append(turns[:size])
-    return {**{name: windows for name, windows in found.items() if windows}, "mixed": mixed}
+    return {name: windows for name, windows in {**found, "mixed": mixed}.items() if windows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,12 +144,16 @@ def main(argv: list[str] | None = None) -> int:
     engine.batch(args.size)  # measures (or reads) this machine's batched cost curves
     measured = engine.policy.cost
     assert measured is not None
+    found = groups(records, args.size)
+    if not found:
+        parser.error(f"--size {args.size}: the recording has fewer prompts than that")
     rows = []
-    for name, batches in groups(records, args.size).items():
+    for name, batches in found.items():
         spent: dict[str, float] = defaultdict(float)
         for group in batches:
             for method, drafts, closed in (("plain", False, False), ("closed", True, True), ("open", True, False)):
-                result = run(group, header, measured, drafts, closed, args.overhead_ms)
+                result = run(group, header, measured, drafts, closed, args.overhead_ms, engine.config,
+                             engine.policy.packed)  # fmt: skip
                 spent[f"{method}_ms"] += result["ms"]
                 spent[f"{method}_rounds"] += result["rounds"]
         rows.append({

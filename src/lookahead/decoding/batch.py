@@ -90,7 +90,8 @@ class Batch:
         if self.running:
             sent_before = [generation.stats.draft_tokens for generation in self.running]
             groups = [self.running] if self.verifier.batched else [[generation] for generation in self.running]
-            stepped = [event for group in groups for event in zip(group, self._step(group), strict=True)]
+            closing = self._ends is not None and not (self.waiting or self.prefilling or ready)  # all rows step
+            stepped = [event for group in groups for event in zip(group, self._step(group, closing), strict=True)]
             if self._ends is not None:
                 for generation, kept in stepped:
                     self._ends.stepped(generation, len(kept))
@@ -104,9 +105,9 @@ class Batch:
                 self._leave(generation)
         return events
 
-    def _step(self, group: list[Generation]) -> list[list[int]]:
-        closing = self._ends is not None and not self.waiting and len(group) > 1
-        last = self._ends.last(group).tolist() if closing else None
+    def _step(self, group: list[Generation], closing: bool) -> list[list[int]]:
+        """One step of `group`; `closing`: every row still to end is in it (a closed batch's end is its last row's)."""
+        last = self._ends.last(group).tolist() if closing and self._ends is not None and len(group) > 1 else None
         return step(group, self.verifier, self.drafting, last)
 
     def _allot(self) -> list[int]:

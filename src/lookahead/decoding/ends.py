@@ -92,7 +92,7 @@ class Ends:
         for generation in generations:
             pace = self._paces.get(generation) or Pace()
             steps = generation.room / pace.mean
-            noise = generation.room * pace.variance / pace.mean**3  # the variance of a sum of `steps` steps
+            noise = generation.room * pace.variance / pace.mean**3  # of the steps to cover `room` (renewal)
             remaining.append(steps)
             spread.append(np.sqrt(noise + (DRIFT * steps) ** 2))
         return chances_last(remaining, spread)

@@ -95,7 +95,9 @@ class TrieDrafter:
             branching=branching,
             min_score=config.min_score,
             chance=None if rates is None else lambda flags, ratio, deep: rates[Calibration.cell(flags, ratio, deep)],
-            floors=(lambda: policy.floors(config.decoding_length, len(context) - 1)) if alone else None,
+            floors=(lambda: policy.floors(config.decoding_length, len(context) - 1))
+            if alone and policy.adaptive
+            else None,
         )
         return tree
 

@@ -402,7 +402,7 @@ class RequestRates:
         self.expected = self.expected * LEVEL_FADE + float(expected.sum())
 
     def fade(self) -> None:
-        """A step that sent nothing: the level's evidence fades (what `record` of no nodes does)."""
+        """A step that sent nothing: the level's evidence fades, as it does every step."""
         self.accepted *= LEVEL_FADE
         self.expected *= LEVEL_FADE
 
@@ -462,7 +462,7 @@ def best_sizes(
     row_of = np.repeat(np.arange(rows), counts)
     place = np.concatenate([np.arange(count) for count in counts]) if rows else np.zeros(0, dtype=np.int64)
     value = np.concatenate([np.zeros(0), *falling]) * np.repeat(weights, counts)
-    order = np.lexsort((place, row_of, -value))  # likeliest first; a tie: the earlier row, then the earlier node
+    order = np.lexsort((place, row_of, -value))  # most worth first; a tie: the earlier row, then the earlier node
     gains = np.cumsum(np.concatenate([[sum(weights)], value[order]]))
     widths = (rows + np.arange(len(order) + 1)) / rows
     best = int(np.argmax(gains / cost.predict_widths(widths, rows, context)))  # a tie goes to fewer nodes
@@ -560,7 +560,7 @@ class DraftPolicy:
         if self.cost is None or not any(trees):
             return list(trees)
         chances = [tree.chances for tree in trees]
-        worth = None if last is None or len(trees) == 1 else self.worth(last, context)
+        worth = None if last is None else self.worth(last, context)
         if self.packed and len(trees) > 1:
             sizes = best_sizes(chances, self.cost, context, worth)
             return [tree.prefix(size) for tree, size in zip(trees, sizes, strict=True)]

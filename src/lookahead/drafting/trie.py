@@ -389,7 +389,7 @@ class TokenTrie:
         prefix of the tree is a tree. At most `budget` nodes, `max_depth` deep, and none past the
         first whose chance is under its floor (policy.floor_factors: `floors()[i]` times 1 + the
         chances before it, for the node at place i + 1; nodes after it are no likelier; `floors()`,
-        called once there is a node to take, has at least `budget` entries); with
+        called once there is a node to take, under the trie's lock, has at least `budget` entries); with
         `branching` off, a single path (for models that cannot take a tree mask). The Python
         work done is bounded by the budget times SCAN_CHILDREN per source, whatever the trie's
         or the prompt's size (a prompt index adds one numpy pass over a wide node's occurrences).
