@@ -29,7 +29,7 @@ PRIOR_STEPS = 2.0
 """Steps of one token each that a new row's pace starts from."""
 DRIFT = 0.3
 """Spread of a row's remaining steps, as a share of them, for changes its recent pace cannot show."""
-GRID = 256
+GRID = 128
 """Points the chance of ending last is integrated over."""
 LOGISTIC = 1.702
 """The normal CDF as a logistic: 1 / (1 + exp(-LOGISTIC z)), within 0.01 everywhere."""
