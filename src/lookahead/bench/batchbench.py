@@ -65,9 +65,14 @@ class _Run:
     """One method's continuous batch in an interleaved comparison, on its own clock: the time of its own rounds."""
 
     def __init__(
-        self, engine: LookaheadEngine, prompts: list[list[int]], streams: int, new_tokens: int, drafts: bool,
+        self,
+        engine: LookaheadEngine,
+        prompts: list[list[int]],
+        streams: int,
+        new_tokens: int,
+        drafts: bool,
         closed: bool = False,
-    ):  # fmt: skip
+    ):
         self.batch = engine.batch(streams, use_lookahead=drafts, closed=closed)
         self.generations = [engine.prepare(ids, new_tokens) for ids in prompts]
         for generation in self.generations:

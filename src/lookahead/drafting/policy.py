@@ -61,11 +61,11 @@ class _Line(NamedTuple):
 
     @classmethod
     def of(cls, widths: list[int], base: list[float]) -> _Line:
-        (w0, w1, *_), (c0, c1, *_) = widths, base
-        *_, v0, v1 = widths
-        *_, d0, d1 = base
+        def carried(i: int, j: int, x: float) -> float:  # the line through points i and j, at x
+            return base[i] + (base[j] - base[i]) * (x - widths[i]) / (widths[j] - widths[i])
+
         xs = np.array([-FAR, *widths, FAR], dtype=np.float64)
-        ys = np.array([c0 - (c1 - c0) * (FAR + w0) / (w1 - w0), *base, d1 + (d1 - d0) * (FAR - v1) / (v1 - v0)])
+        ys = np.array([carried(0, 1, -FAR), *base, carried(-2, -1, FAR)], dtype=np.float64)
         return cls(widths, base, xs, ys)
 
     def at(self, width: np.ndarray) -> np.ndarray:
