@@ -14,9 +14,11 @@ torch.set_num_threads(2)
 os.environ.setdefault("LOOKAHEAD_COST_PASSES", "1")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def one_thread():
-    """Tiny models are all Python overhead: one thread avoids waking a second on every matmul."""
+    """Tiny models are all Python overhead: one thread avoids waking a second on every matmul.
+
+    Per test, so that a module's later tests on the bundled model get both threads back."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

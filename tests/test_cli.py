@@ -34,7 +34,7 @@ def test_user_mistakes_are_one_line_and_exit_2(args):
 
 @pytest.mark.slow
 def test_generate_compare_prints_the_first_time_and_the_asked_again_speedups():
-    result = run("generate", "--compare", "--max-new-tokens", "48")
+    result = run("generate", "--compare", "--max-new-tokens", "32")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     first = next(line for line in lines if line.startswith("first time:"))

@@ -50,6 +50,19 @@ def prompts(q4_1) -> list[list[int]]:
     ]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def references(prompts):
+    """llama-cpp-python's own greedy outputs of the prompts, TOKENS each, computed once per weights file."""
+    outputs: dict[str, list[list[int]]] = {}
+
+    def of(model) -> list[list[int]]:
+        if str(model.path) not in outputs:
+            outputs[str(model.path)] = llama_greedy(model, prompts, TOKENS)
+        return outputs[str(model.path)]
+
+    return of
+
+
 def llama_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """llama-cpp-python's own greedy decoding of the same file: one token a step, up to its end-of-generation set."""
     reference = llama_cpp.Llama(str(model.path), n_ctx=2048, n_threads=2, n_threads_batch=2, verbose=False)
@@ -75,10 +88,10 @@ def require_exact(model) -> None:
     [("q4_1", FIXED), ("f32", LookaheadConfig(recycled=8))],
     ids=["q4_1-fixed", "f32-adaptive-recycled"],
 )
-def test_plain_and_lookahead_equal_llama_cpp_greedy(request, prompts, weights, config):
+def test_plain_and_lookahead_equal_llama_cpp_greedy(request, prompts, references, weights, config):
     model, tokenizer = request.getfixturevalue(weights)
     require_exact(model)
-    want = llama_greedy(model, prompts, TOKENS)
+    want = references(model)
     engine = LookaheadEngine(model, tokenizer, config)
     assert engine.backend.name == "llama.cpp" and engine.tree_mode
     plain = [engine.generate(ids, TOKENS, use_lookahead=False).token_ids for ids in prompts]
@@ -108,11 +121,11 @@ between them than the row alone has, which moves float32 logits by about 1e-6. A
 is rounding only where the reference's top-2 margin is below this; anything wider is a bug."""
 
 
-def test_rows_joining_leaving_and_cancelled_keep_the_memory_exact(f32, prompts):
+def test_rows_joining_leaving_and_cancelled_keep_the_memory_exact(f32, prompts, references):
     model, tokenizer = f32
     require_exact(model)
     lengths = [TOKENS, 12, 25, TOKENS, 7, 30, 18, TOKENS]
-    want = llama_greedy(model, prompts, TOKENS)
+    want = references(model)
     engine = LookaheadEngine(model, tokenizer, FIXED)
     batch = engine.batch(3)
     generations = [engine.prepare(ids, n) for ids, n in zip(prompts, lengths, strict=True)]

@@ -13,7 +13,7 @@ from lookahead.decoding.sampling import OccurrencePenalty, SamplingParams, Token
 from lookahead.decoding.verify import accept
 from lookahead.drafting.tree import DraftTree
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+tiny = pytest.mark.usefixtures("one_thread")
 
 VOCAB = 4
 # root r; under it 0 and 1; 0 → 2 → 3; 1 → 1. Paths r-0-2-3, r-1-1.
@@ -200,6 +200,7 @@ def draw(engine, seeds, use_lookahead=True) -> tuple[list[tuple[int, ...]], int]
 
 
 @pytest.mark.slow
+@tiny
 def test_lookahead_sampling_matches_the_models_distribution(tiny_engine, monkeypatch):
     exact = exact_three_token_distribution(tiny_engine.model, 0.9)
     draw(tiny_engine, range(10**6, 10**6 + 300))  # warm the trie so that drafts are offered
@@ -216,6 +217,7 @@ def test_lookahead_sampling_matches_the_models_distribution(tiny_engine, monkeyp
     assert goodness_of_fit(wrong, exact) < 1e-3, "the test must catch a verifier that accepts every draft"
 
 
+@tiny
 def test_a_seed_gives_the_same_output_whatever_ran_before(tiny_engine):
     first = tiny_engine.generate(PROMPT, 12, do_sample=True, temperature=0.9, seed=7).token_ids
     for seed in range(20):  # the trie learns from these, so later drafts differ
@@ -226,6 +228,7 @@ def test_a_seed_gives_the_same_output_whatever_ran_before(tiny_engine):
     assert len(outputs) > 1, "different seeds must be able to give different outputs"
 
 
+@tiny
 def test_a_negative_seed_is_its_twos_complement(tiny_engine):
     options = {"do_sample": True, "temperature": 0.9}
     negative = tiny_engine.generate(PROMPT, 12, seed=-1, **options).token_ids
@@ -236,12 +239,14 @@ def test_a_negative_seed_is_its_twos_complement(tiny_engine):
     )
 
 
+@tiny
 def test_temperature_zero_is_greedy(tiny_engine):
     greedy = tiny_engine.generate(PROMPT, 10, use_lookahead=False).token_ids
     assert tiny_engine.generate(PROMPT, 10, do_sample=True, temperature=0.0, seed=3).token_ids == greedy
 
 
 @pytest.mark.slow
+@tiny
 def test_sampled_rows_batched_with_other_rows_keep_the_models_distribution(tiny_engine):
     exact = exact_three_token_distribution(tiny_engine.model, 0.9)
     count = 3_000
