@@ -57,9 +57,9 @@ def hf_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
 
 
 BENCHMARK_SETS = ["humaneval", "gsm8k", "mtbench", "code-edit"]
-PROMPTS_PER_SET = 6
+PROMPTS_PER_SET = 4
 REFERENCE_TOKENS = 24
-"""Enough for a warm trie to draft, accept and compact several times a prompt; the suite runs it for 24
+"""Enough for a warm trie to draft, accept and compact several times a prompt; the suite runs it for 16
 prompts, and the model's own generate() for them (about 100 ms a token here) is the suite's largest cost."""
 
 

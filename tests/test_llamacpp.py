@@ -25,7 +25,7 @@ llama_cpp = pytest.importorskip("llama_cpp", reason="the llama.cpp backend is no
 from lookahead.backends.llamacpp import model as llamacpp_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
-TOKENS = 40
+TOKENS = 32
 FIXED = LookaheadConfig(policy="fixed", decoding_length=16, branch_length=8)
 
 

@@ -87,7 +87,7 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def served(cluster, tmp_path_factory):
+def served(cluster, tmp_path_factory, request):
     """The command as an operator runs it, joining the module's cluster: (process, url, trie path, log)."""
     folder = tmp_path_factory.mktemp("replicas")
     trie_path, log = folder / "trie.bin", folder / "serve.log"
@@ -100,6 +100,7 @@ def served(cluster, tmp_path_factory):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
+    request.getfixturevalue("references")  # the model's own answers, computed while the replicas start
     deadline = time.monotonic() + 400
     while True:
         assert process.poll() is None, log.read_text()

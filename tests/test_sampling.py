@@ -266,6 +266,10 @@ def test_sampled_rows_batched_with_other_rows_keep_the_models_distribution(tiny_
 # ---- OpenAI's penalties, logit bias and log-probabilities on the bundled model ---------------------
 
 
+ANSWER = 32
+"""New tokens a chat answer takes in the tests below: the second time it is asked, long drafts of it are verified."""
+
+
 @pytest.fixture(scope="module")
 def chats(default_model):
     engine = LookaheadEngine(*default_model)
@@ -284,14 +288,14 @@ def test_penalties_and_logit_bias_keep_lookahead_exact(default_model, chats, sam
         options |= {"do_sample": True, "temperature": 0.8, "seed": -12345}
     accepted, plains = 0, []
     for ids in chats:
-        plains.append(plain := engine.generate(ids, 40, use_lookahead=False, **options).token_ids)
+        plains.append(plain := engine.generate(ids, ANSWER, use_lookahead=False, **options).token_ids)
         for _ in range(2):  # the second time, the trie holds this answer: long drafts are checked too
-            out = engine.generate(ids, 40, **options)
+            out = engine.generate(ids, ANSWER, **options)
             assert out.token_ids == plain
             accepted += sum(n * steps for n, steps in out.stats.accepted_histogram.items())
     unpenalized = {k: v for k, v in options.items() if k not in ("presence_penalty", "frequency_penalty")}
-    assert [engine.generate(ids, 40, False, **unpenalized).token_ids for ids in chats] != plains, "penalties act"
-    rows = engine.generate_batch(chats, 40, max_batch=2, progress=False, **options)
+    assert [engine.generate(ids, ANSWER, False, **unpenalized).token_ids for ids in chats] != plains, "penalties act"
+    rows = engine.generate_batch(chats, ANSWER, max_batch=2, progress=False, **options)
     assert [row.token_ids for row in rows] == plains, "batched rows draw and penalize as they do alone"
     assert accepted > 20, "drafts were accepted, so verification ran with the penalties"
 
@@ -302,12 +306,12 @@ def test_logprobs_are_what_plain_decoding_computes(default_model, chats):
     model, tokenizer = default_model
     engine = LookaheadEngine(model, tokenizer)
     for ids in chats:
-        engine.generate(ids, 48)  # the answer is in the trie: the next run verifies long drafts
-        out = engine.generate(ids, 48, logprobs=3)
+        engine.generate(ids, ANSWER)  # the answer is in the trie: the next run verifies long drafts
+        out = engine.generate(ids, ANSWER, logprobs=3)
         assert sum(n * steps for n, steps in out.stats.accepted_histogram.items()) > 10
         inputs = torch.tensor([ids])
-        reference = model.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=False, max_new_tokens=48,
-                                   output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        reference = model.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=False,
+                                   max_new_tokens=ANSWER, output_logits=True, return_dict_in_generate=True)  # fmt: skip
         assert out.token_ids == reference.sequences[0, len(ids) :].tolist()
         assert len(out.logprobs) == len(out.token_ids)
         for record, logits in zip(out.logprobs, reference.logits, strict=True):

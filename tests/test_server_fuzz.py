@@ -23,7 +23,7 @@ from lookahead.server import ServerSettings, create_app
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # slow: loads the bundled tokenizer
 
 CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance"
-EXAMPLES = 20  # per operation and phase: about 300 requests, under a minute on two cores
+EXAMPLES = 15  # per operation and phase: about 230 requests, under a minute on two cores
 
 
 def test_every_answer_is_one_the_document_declares(tokenizer, tmp_path):
