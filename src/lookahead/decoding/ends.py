@@ -2,10 +2,9 @@
 
 A list handed to `generate_batch` is done when its last row is. Once nothing waits to join,
 a token accepted on a row that ends well before the last one only lets that row leave
-early (its share of a step, a few per cent on a CPU), while a token of the row that ends
-last takes a whole round off the batch. So the policy values each row's draft tokens by the
-chance that the row ends last (drafting/policy.py: `worth`), estimated here from each row's
-room and its recent tokens a step.
+early (its share of a step), while a token of the row that ends last takes a whole round off
+the batch. So the policy values each row's draft tokens by the chance that the row ends last
+(drafting/policy.py: `worth`), estimated here from each row's room and its recent tokens a step.
 
 Each row's remaining steps are taken as normal, with mean room / pace and a spread from the
 variance of its tokens a step (a sum of that many steps) plus a share of the mean for what
