@@ -3,18 +3,20 @@ packed (the default on CPUs where that is faster) and the model's own; drafts re
 
 import functools
 
+import numpy as np
 import pytest
 from conftest import BENCHMARK_SETS, PROMPTS_PER_SET, REFERENCE_TOKENS, hf_greedy
 
 from lookahead import LookaheadConfig, LookaheadEngine
 from lookahead.bench.datasets import load_prompts
-from lookahead.drafting.policy import Calibration
+from lookahead.drafting.ngrams import RECYCLED
 
 pytestmark = pytest.mark.slow
 
 
 VARIANTS = {"packed": LookaheadConfig(linears="packed"), "model": LookaheadConfig(linears="model"),
-            "recycled": LookaheadConfig(recycled=8)}  # fmt: skip
+            "recycled": LookaheadConfig(recycled=8, policy="fixed")}  # fmt: skip
+"""The recycled variant sends its whole tree, so which recycled drafts are verified does not hang on measured costs."""
 PROMPTS = {"packed": PROMPTS_PER_SET, "model": 2, "recycled": 3}
 """Prompts of each set a variant decodes: all for the default path; fewer where only the layers or one more
 draft source differ (the model's own layers run at generate()'s speed, the suite's slowest path)."""
@@ -41,9 +43,19 @@ def reference(model):
     return greedy
 
 
-def test_real_prompts_of_every_set_equal_generate(engine, variant, greedy_references):
+def test_real_prompts_of_every_set_equal_generate(engine, variant, greedy_references, monkeypatch):
     """The sets in turn, so the shared trie carries what earlier answers taught into other kinds of text."""
     assert engine.tree_mode
+    recycled = {"sent": 0, "kept": 0}  # nodes the table offered (retrieval may have too)
+    learn = engine.policy.learn
+
+    def count_recycled(tree, accepted, request):
+        offered = (np.asarray(tree.sources, dtype=np.int64) & RECYCLED) != 0
+        recycled["sent"] += int(offered.sum())
+        recycled["kept"] += int(offered[np.asarray(accepted, dtype=np.int64) - 1].sum())
+        learn(tree, accepted, request)
+
+    monkeypatch.setattr(engine.policy, "learn", count_recycled)
     assert len(greedy_references) == len(BENCHMARK_SETS) * PROMPTS_PER_SET
     mismatches = []
     drafted = accepted = 0
@@ -59,9 +71,7 @@ def test_real_prompts_of_every_set_equal_generate(engine, variant, greedy_refere
     assert mismatches == []
     assert drafted > 0 and accepted > 0
     if engine.config.recycled:
-        recycled_only = slice((Calibration.SOURCES - 1) * Calibration.RATIO_BINS * 2, None)
-        sent, kept = (totals[recycled_only].sum() for totals in engine.policy.calibration.observed)
-        assert sent > 0 and kept > 0, "drafts recycled from the model's own top tokens were verified, some accepted"
+        assert recycled["sent"] > 0 and recycled["kept"] > 0, recycled
 
 
 def test_plain_path_equals_generate_and_leaves_the_trie_alone(engine, reference):
