@@ -15,6 +15,7 @@ from lookahead.drafting.drafter import TrieDrafter
 from lookahead.drafting.ngrams import PROMPT, RECYCLED
 from lookahead.drafting.policy import TRIE_PRIOR, Calibration, DraftPolicy
 from lookahead.drafting.recycled import RecycledTable, rank_of, rank_ratio
+from lookahead.drafting.tree import DraftTree
 from lookahead.drafting.trie import TokenTrie
 from lookahead.drafting.triefile import _PREFIX, MAGIC, read_trie
 
@@ -127,7 +128,7 @@ def test_the_table_drafts_where_retrieval_has_nothing_and_chains_stay_chains():
     assert off.recycled is None and len(off.retrieve([5], 8, 4)) == 0
 
 
-def test_the_drafter_learns_only_what_the_request_kept():
+def test_the_drafter_learns_the_kept_path_up_to_a_stop():
     trie = TokenTrie.from_config(LookaheadConfig(recycled=2), [0])
     drafter = TrieDrafter(trie, LookaheadConfig(recycled=2), DraftPolicy(), [1, 2, 3])
     tree = drafter.propose([1, 2, 3], room=10, branching=True)
@@ -137,10 +138,29 @@ def test_the_drafter_learns_only_what_the_request_kept():
     assert trie.recycled.followers(3) == [4, 5]
     # accepted two nodes, but a stop ended the request after the first emitted token
     drafter.propose([1, 2, 3, 4], room=10, branching=True)
-    trie_tree = type(tree)(tokens=[8, 9], parents=[0, 1])
+    trie_tree = DraftTree(tokens=[8, 9], parents=[0, 1])
     drafter.verified(trie_tree, [1, 2], np.array([[8, 1], [9, 1], [7, 1]]))
     drafter.learn([8])
     assert trie.recycled.followers(4) == [8, 1] and trie.recycled.followers(8) == []
+
+
+def test_the_drafter_learns_what_the_model_expected_after_nodes_turned_down():
+    trie = TokenTrie.from_config(LookaheadConfig(recycled=2), [0])
+    drafter = TrieDrafter(trie, LookaheadConfig(recycled=2), DraftPolicy(), [1, 2, 3])
+    drafter.propose([1, 2, 3], room=10, branching=True)
+    # root 3 → {5 → 6, 7, 9}: 5 accepted; 6, 7 and 9 turned down; the verifier does not know what follows 7
+    tree = DraftTree(tokens=[5, 6, 7, 9], parents=[0, 1, 0, 0])
+    rows = np.array([[5, 7], [2, 6], [8, 1], [-1, -1], [4, 2]])
+    drafter.verified(tree, [1], rows)
+    assert trie.recycled.followers(6) == [], "learned when the request learns its tokens, not before"
+    drafter.learn([5, 2])
+    table = trie.recycled
+    assert [table.followers(t) for t in (3, 5, 6, 7, 9)] == [[5, 7], [2, 6], [8, 1], [], [4, 2]]
+    # root 2 → 4 → 4, the first 4 kept: the kept position's row has the last word
+    drafter.propose([1, 2, 3, 5, 2], room=10, branching=True)
+    drafter.verified(DraftTree(tokens=[4, 4], parents=[0, 1]), [1], np.array([[4, 1], [6, 5], [9, 8]]))
+    drafter.learn([4, 6])
+    assert table.followers(2) == [4, 1] and table.followers(4) == [6, 5]
 
 
 def test_a_trie_file_keeps_the_table_and_old_files_load(tmp_path):

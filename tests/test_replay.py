@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from lookahead import LookaheadConfig, LookaheadEngine
@@ -53,6 +54,22 @@ def test_bad_recording_file(tmp_path):
 TOKENS = 24  # a few steps of drafting and accepting a prompt, for both the real run and its replay
 
 
+class PricedAsRecorded(Priced):
+    """A real run priced as its replay is, whose verdicts tell the drafter only what a recording of plain decoding
+    knows: the model's likeliest tokens along the kept path, none after the nodes turned down."""
+
+    def verify(self, generations, trees):
+        verdicts, milliseconds = super().verify(generations, trees)
+        told = []
+        for verdict, tree in zip(verdicts, trees, strict=True):
+            rows, path = verdict.following, [0, *verdict.accepted]
+            if rows is not None:  # the real verifier's: every verified position, the kept ones first the emitted
+                assert rows.shape == (len(tree) + 1, 8) and rows[path, 0].tolist() == verdict.emitted
+                rows = np.where(np.isin(np.arange(len(rows)), path)[:, None], rows, -1)
+            told.append(verdict._replace(following=rows))
+        return told, milliseconds
+
+
 @pytest.fixture(scope="module")
 def recording(default_model, tmp_path_factory):
     model, tokenizer = default_model
@@ -83,7 +100,7 @@ def test_replay_equals_a_real_run(default_model, recording, config):
     real = LookaheadEngine(model, tokenizer, config)  # a fresh trie, like the replay's
     if real.policy.adaptive:  # the policy reacts to step times: give it the replay's curves and prices
         real.policy.cost = recorded_cost(header)
-        real.verifier = Priced(real.verifier, recorded_cost(header))
+        real.verifier = PricedAsRecorded(real.verifier, recorded_cost(header))
     steps: dict[str, int] = {}
     drafted: dict[str, int] = {}
     for prompt, rec in zip(prompts, records, strict=True):

@@ -102,9 +102,18 @@ class RecordingVerifier:
         for generation, tree in zip(generations, trees, strict=True):
             emitted = len(generation.tokens) - len(generation.prompt)
             accepted, tokens = accept_greedy(tree, oracle_choices(tree, self.output, emitted))
-            rows = self.following[emitted - 1 : emitted - 1 + len(tokens)]
-            verdicts.append(Verdict(accepted, tokens, np.array(rows, dtype=np.int32) if len(rows) else None))
+            verdicts.append(Verdict(accepted, tokens, self._rows(tree, accepted, emitted)))
         return verdicts, 0.0  # the time is the cost model's: see Priced
+
+    def _rows(self, tree: DraftTree, accepted: list[int], emitted: int) -> np.ndarray | None:
+        """The verdict's `following`: the recorded rows along the kept path, -1 at the nodes turned down (plain
+        decoding never computed what the model expects after them)."""
+        recorded = self.following[emitted - 1 : emitted + len(accepted)]
+        if not len(recorded):
+            return None
+        rows = np.full((len(tree) + 1, len(recorded[0])), -1, dtype=np.int32)
+        rows[[0, *accepted][: len(recorded)]] = recorded
+        return rows
 
     def max_leaves(self, generation: Generation) -> int:
         return 1 << 30 if self.branching else 1  # a recording limits no leaves

@@ -30,8 +30,9 @@ class Verdict(NamedTuple):
     emitted: list[int]
     """The accepted tokens, then the model's own token where the walk stopped."""
     following: np.ndarray | None = None
-    """Per emitted token, the model's likeliest tokens (ids, likeliest first) at the position it was chosen at:
-    an array of len(emitted) rows, or None where the verifier gives none (what recycled drafts learn from)."""
+    """Per position the pass verified, the model's likeliest next tokens there (ids, likeliest first): len(tree) + 1
+    rows in block order (the root, then each node), a row of -1 where the verifier does not know it; None where
+    the verifier gives none (what recycled drafts learn from)."""
 
 
 class Verifier(Protocol):

@@ -36,8 +36,8 @@ class Drafter(Protocol):
     def verified(self, tree: DraftTree, accepted: Sequence[int], following: np.ndarray | None = None) -> None:
         """What verification kept of the sent `tree` (block indices of the accepted nodes).
 
-        `following` (if the verifier gives it): row i holds the model's likeliest tokens, likeliest
-        first, at the i-th position the step emits from (the root, then each accepted node).
+        `following` (if the verifier gives it): row i holds the model's likeliest next tokens, likeliest
+        first, after block position i (0 the root, i the tree's node i); -1 where unknown.
         """
         ...
 
@@ -78,8 +78,9 @@ class TrieDrafter:
         self.rates = policy.request_rates()
         self._root = -1
         """The root of the step proposed last."""
-        self._recycle: tuple[list[int], np.ndarray | None] = ([], None)
-        """The tokens the last verdict's positions follow, and the model's likeliest next tokens at each."""
+        self._recycle: tuple[list[int], np.ndarray, list[int], np.ndarray] | None = None
+        """From the last verdict: the kept path's tokens and the model's likeliest next tokens after each, then the
+        same of the nodes it turned down."""
         trie.insert(prompt, request=self.request)
 
     def propose(self, context: Sequence[int], room: int, branching: bool, alone: bool = False) -> DraftTree:
@@ -104,16 +105,22 @@ class TrieDrafter:
     def verified(self, tree: DraftTree, accepted: Sequence[int], following: np.ndarray | None = None) -> None:
         self.policy.learn(tree, accepted, self.rates)
         if following is not None:
-            self._recycle = ([self._root, *(tree.tokens[node - 1] for node in accepted)], following)
+            tokens = np.asarray([self._root, *tree.tokens])
+            path = np.asarray([0, *accepted], dtype=np.int64)
+            off = np.ones(len(tokens), dtype=bool)
+            off[path] = False
+            off &= following[:, 0] >= 0  # rows the verifier does not know (a replay's) teach nothing
+            self._recycle = (tokens[path].tolist(), following[path], tokens[off].tolist(), following[off])
 
     def learn(self, tokens: Sequence[int]) -> None:
-        """Kept tokens into the trie, and into the recycled table what the model expected at each (none past a stop)."""
+        """Kept tokens into the trie; into the recycled table what the model expected after every node the last step
+        turned down, then after each position kept (none past a stop), so the request's own path has the last word."""
         self.trie.observe(self.request, tokens)
-        keys, following = self._recycle
-        if keys:
-            kept = min(len(tokens), len(keys))
-            self.trie.recycle(keys[:kept], following[:kept])
-            self._recycle = ([], None)
+        if self._recycle is not None:
+            path, path_rows, off, off_rows = self._recycle
+            kept = min(len(tokens), len(path))
+            self.trie.recycle([*off, *path[:kept]], np.concatenate([off_rows, path_rows[:kept]]))
+            self._recycle = None
 
     def close(self) -> None:
         self.trie.finish(self.request)

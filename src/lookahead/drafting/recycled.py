@@ -8,9 +8,11 @@ and a guess from the model itself, so it reaches text that was never seen before
 questions, short code), where retrieval has nothing to copy. Rows are overwritten, not
 counted: the latest context is the best guess of the next.
 
-The table learns from the positions a request keeps (the root and the accepted nodes of each
-step): those distributions were computed in the request's true context, and they are exactly
-the ones a recording of plain decoding has, so a replay learns what the real run learns.
+The table learns from every position a pass verifies, as Token Recycling does: the root and the
+accepted nodes (the request's true context) and the nodes turned down, whose distributions were
+computed in a context one token off the request's and are fresher than what the table held. A
+recording of plain decoding has only the first kind, so a replay learns less than a real run and
+underestimates recycled drafts (benchmarks/NOTES.md has both).
 
 Worked example, k = 2: after the model read "the cat" and put "sat" (then "is") first, and
 after "sat" put "on" (then "down") first, `followers(cat)` is [sat, is] and a draft from a

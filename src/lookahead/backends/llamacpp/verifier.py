@@ -244,7 +244,7 @@ class LlamaCppVerifier:
                 accepted, emitted = accept(tree, node_choice(generation, block, generation.tokens))
                 following = None
                 if self.following and generation.drafter is not None:
-                    following = likeliest(np.stack([block[node] for node in (0, *accepted)]), self.following)
+                    following = likeliest(np.stack(block), self.following)
                 verdicts.append(Verdict(accepted, emitted, following))
                 in_place = next((i for i, n in enumerate(accepted) if places[n] != places[0] + 1 + i), len(accepted))
                 if in_place:

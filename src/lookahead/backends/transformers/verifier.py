@@ -138,7 +138,7 @@ class ModelVerifier:
                 accepted, emitted = accept(tree, node_choice(generation, logits[row], generation.tokens))
             following = None
             if self.following and generation.drafter is not None:
-                following = likeliest(logits[row][[0, *accepted]], self.following)
+                following = likeliest(logits[row][: len(tree) + 1], self.following)
             verdicts[id(generation)] = Verdict(accepted, emitted, following)
             kept.append([0, *accepted])
         tack = time.perf_counter()
