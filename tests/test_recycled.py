@@ -147,20 +147,26 @@ def test_the_drafter_learns_the_kept_path_up_to_a_stop():
 def test_the_drafter_learns_what_the_model_expected_after_nodes_turned_down():
     trie = TokenTrie.from_config(LookaheadConfig(recycled=2), [0])
     drafter = TrieDrafter(trie, LookaheadConfig(recycled=2), DraftPolicy(), [1, 2, 3])
+    table = trie.recycled
+    table.update([7], np.array([[3, 4]]))
     drafter.propose([1, 2, 3], room=10, branching=True)
     # root 3 → {5 → 6, 7, 9}: 5 accepted; 6, 7 and 9 turned down; the verifier does not know what follows 7
     tree = DraftTree(tokens=[5, 6, 7, 9], parents=[0, 1, 0, 0])
     rows = np.array([[5, 7], [2, 6], [8, 1], [-1, -1], [4, 2]])
     drafter.verified(tree, [1], rows)
-    assert trie.recycled.followers(6) == [], "learned when the request learns its tokens, not before"
+    assert table.followers(6) == [], "learned when the request learns its tokens, not before"
     drafter.learn([5, 2])
-    table = trie.recycled
-    assert [table.followers(t) for t in (3, 5, 6, 7, 9)] == [[5, 7], [2, 6], [8, 1], [], [4, 2]]
+    assert [table.followers(t) for t in (3, 5, 6, 7, 9)] == [[5, 7], [2, 6], [8, 1], [3, 4], [4, 2]]
     # root 2 → 4 → 4, the first 4 kept: the kept position's row has the last word
     drafter.propose([1, 2, 3, 5, 2], room=10, branching=True)
     drafter.verified(DraftTree(tokens=[4, 4], parents=[0, 1]), [1], np.array([[4, 1], [6, 5], [9, 8]]))
     drafter.learn([4, 6])
     assert table.followers(2) == [4, 1] and table.followers(4) == [6, 5]
+    # a stop after the root's token: what followed the nodes turned down is learned, the kept path only to the stop
+    drafter.propose([1, 2, 3, 5, 2, 4, 6], room=10, branching=True)
+    drafter.verified(DraftTree(tokens=[11, 12], parents=[0, 0]), [2], np.array([[12, 1], [13, 1], [14, 1]]))
+    drafter.learn([12])
+    assert table.followers(6) == [12, 1] and table.followers(11) == [13, 1] and table.followers(12) == []
 
 
 def test_a_trie_file_keeps_the_table_and_old_files_load(tmp_path):

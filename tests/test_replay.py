@@ -64,7 +64,8 @@ class PricedAsRecorded(Priced):
         for verdict, tree in zip(verdicts, trees, strict=True):
             rows, path = verdict.following, [0, *verdict.accepted]
             if rows is not None:  # the real verifier's: every verified position, the kept ones first the emitted
-                assert rows.shape == (len(tree) + 1, 8) and rows[path, 0].tolist() == verdict.emitted
+                assert rows.shape == (len(tree) + 1, 8) and (rows >= 0).all()
+                assert rows[path, 0].tolist() == verdict.emitted
                 rows = np.where(np.isin(np.arange(len(rows)), path)[:, None], rows, -1)
             told.append(verdict._replace(following=rows))
         return told, milliseconds

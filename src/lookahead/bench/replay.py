@@ -82,7 +82,8 @@ class RecordingVerifier:
     """Verification by a recorded greedy output instead of the model: the step's other half in a replay.
 
     A recording that kept the model's likeliest tokens at each position (`following[i]`: at
-    the position that chose output[i + 1]) gives them with each verdict, as the model does.
+    the position that chose output[i + 1]) gives them with each verdict along the kept path, and
+    -1 rows at the nodes turned down (plain decoding never computed what follows those).
     """
 
     batched = True

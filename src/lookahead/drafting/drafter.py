@@ -107,9 +107,11 @@ class TrieDrafter:
         if following is not None:
             tokens = np.asarray([self._root, *tree.tokens])
             path = np.asarray([0, *accepted], dtype=np.int64)
-            off = np.ones(len(tokens), dtype=bool)
+            known = following[:, 0] >= 0  # rows the verifier does not know (a replay's) teach nothing
+            off = known.copy()
             off[path] = False
-            off &= following[:, 0] >= 0  # rows the verifier does not know (a replay's) teach nothing
+            if not known[path].all():  # past a recording's end: the kept path stops at its first unknown row
+                path = path[: int(np.argmin(known[path]))]
             self._recycle = (tokens[path].tolist(), following[path], tokens[off].tolist(), following[off])
 
     def learn(self, tokens: Sequence[int]) -> None:

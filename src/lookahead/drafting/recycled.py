@@ -10,7 +10,7 @@ counted: the latest context is the best guess of the next.
 
 The table learns from every position a pass verifies, as Token Recycling does: the root and the
 accepted nodes (the request's true context) and the nodes turned down, whose distributions were
-computed in a context one token off the request's and are fresher than what the table held. A
+computed in a drafted context that left the request's, and are fresher than what the table held. A
 recording of plain decoding has only the first kind, so a replay learns less than a real run and
 underestimates recycled drafts (benchmarks/NOTES.md has both).
 
@@ -89,7 +89,8 @@ class RecycledTable:
             rows = np.full((len(keys_array), self.k), -1, dtype=np.int32)
             given = np.asarray(following)[: len(keys_array), : self.k]
             rows[:, : given.shape[1]] = given
-            self._rows[keys_array] = rows  # a repeated key keeps its last row
+            unique, from_end = np.unique(keys_array[::-1], return_index=True)
+            self._rows[unique] = rows[len(rows) - 1 - from_end]  # a repeated key keeps its last row
 
     def followers(self, token: int) -> list[int]:
         """The tokens seen likeliest after `token`, likeliest first (empty if it was never verified)."""

@@ -133,7 +133,8 @@ class LlamaCppVerifier:
         self.max_draft = max_draft
         self.branching = branching
         self.following = following
-        """Likeliest tokens a verdict gives per emitted token for a drafting generation (Verdict.following); 0: none."""
+        """Likeliest next tokens a verdict gives per verified position (the root and each node) for a drafting
+        generation (Verdict.following); 0: none."""
         self._sequence: dict[Generation, int] = {}
         """Each joined generation's base sequence id (taken from the model, which every engine on it shares)."""
         self._pending: dict[Generation, int] = {}
@@ -239,12 +240,12 @@ class LlamaCppVerifier:
             tock = time.perf_counter()
             verdicts = []
             outputs = np.cumsum([entry.logits for entry in entries]) - 1  # an entry's row among the logits
+            drafting = self.following and any(generation.drafter is not None for generation in generations)
+            top = likeliest(logits, self.following) if drafting else None  # every output's, in one call, no copy
             for generation, tree, base, leaves, borrowed, places in plans:
                 block = [logits[outputs[place]] for place in places]  # by block index
                 accepted, emitted = accept(tree, node_choice(generation, block, generation.tokens))
-                following = None
-                if self.following and generation.drafter is not None:
-                    following = likeliest(np.stack(block), self.following)
+                following = top[outputs[places]] if top is not None and generation.drafter is not None else None
                 verdicts.append(Verdict(accepted, emitted, following))
                 in_place = next((i for i, n in enumerate(accepted) if places[n] != places[0] + 1 + i), len(accepted))
                 if in_place:

@@ -43,7 +43,8 @@ class ModelVerifier:
         self.mode = mode
         self.max_draft = max_draft
         self.following = following
-        """Likeliest tokens a verdict gives per emitted token for a drafting generation (Verdict.following); 0: none."""
+        """Likeliest next tokens a verdict gives per verified position (the root and each node) for a drafting
+        generation (Verdict.following); 0: none."""
         self.layout = layout
         """How rows of different lengths share one forward pass (capability.probe_batching); None: they do not."""
         window = getattr(forward.config, "sliding_window", None)
