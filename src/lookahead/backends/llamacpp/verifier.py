@@ -240,7 +240,7 @@ class LlamaCppVerifier:
             tock = time.perf_counter()
             verdicts = []
             outputs = np.cumsum([entry.logits for entry in entries]) - 1  # an entry's row among the logits
-            drafting = self.following and any(generation.drafter is not None for generation in generations)
+            drafting = self.following > 0 and any(generation.drafter is not None for generation in generations)
             top = likeliest(logits, self.following) if drafting else None  # every output's, in one call, no copy
             for generation, tree, base, leaves, borrowed, places in plans:
                 block = [logits[outputs[place]] for place in places]  # by block index
