@@ -10,7 +10,8 @@ import pytest
 from tiny_models import tiny_gguf
 
 from lookahead import load_model
-from lookahead.models import cache_dir, pretrained_directory
+from lookahead.config import cache_dir
+from lookahead.models import pretrained_directory
 
 
 @pytest.fixture

@@ -1,11 +1,13 @@
-"""Settings of the drafter: how large a draft tree may be and how it is matched."""
+"""Settings: the drafter's (how large a draft tree may be and how it is matched), and where measurements are kept."""
 
 from __future__ import annotations
 
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 DEFAULT_TRIE_MAX_NODES = 1_000_000
 """About 200 MB: `python -m lookahead.bench.triebench` measures under 200 bytes a node."""
@@ -143,3 +145,12 @@ def _convert(key: str, text: str, kind: object) -> object:
         names = {int: "an integer", float: "a number", str: "text"}
         rule = names[base] + (" or none" if optional else "")
         raise ValueError(f"{key} must be {rule}, got {text!r}") from None
+
+
+def cache_dir() -> Path:
+    """Where converted models, cost curves and other measurements of this machine are kept: $LOOKAHEAD_CACHE, else
+    $XDG_CACHE_HOME/lookahead, else ~/.cache/lookahead."""
+    if explicit := os.environ.get("LOOKAHEAD_CACHE"):
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "lookahead"

@@ -19,8 +19,8 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel,
 from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
+from .decoding.transcript import eos_ids
 from .engine import LookaheadEngine
-from .models import eos_ids
 
 _ENGINES: weakref.WeakKeyDictionary[PreTrainedModel, LookaheadEngine] = weakref.WeakKeyDictionary()
 

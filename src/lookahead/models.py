@@ -28,10 +28,11 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    GenerationConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+
+from .config import cache_dir
 
 DEFAULT_MODEL = "smollm2-135m"
 BACKENDS = ("transformers", "llama.cpp")
@@ -65,14 +66,6 @@ BUNDLED = {
         install="make models",
     ),
 }
-
-
-def cache_dir() -> Path:
-    """$LOOKAHEAD_CACHE, else $XDG_CACHE_HOME/lookahead, else ~/.cache/lookahead."""
-    if explicit := os.environ.get("LOOKAHEAD_CACHE"):
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "lookahead"
 
 
 def load_model(
@@ -154,16 +147,6 @@ def _gguf_tokenizer(gguf: Path) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except Exception as err:  # the GGUF reader raises many kinds on a damaged file
         raise ValueError(f"{gguf}: transformers cannot read a tokenizer from this GGUF file: {err}") from err
-
-
-def eos_ids(generation_config: GenerationConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> frozenset[int]:
-    """End-of-sequence ids as `generate()` sees them: the generation config's, else the tokenizer's."""
-    eos = getattr(generation_config, "eos_token_id", None)
-    if eos is None and tokenizer is not None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return frozenset()
-    return frozenset([eos] if isinstance(eos, int) else eos)
 
 
 def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -91,7 +91,7 @@ def build(args: argparse.Namespace) -> int:
         raise ValueError(f"--output {output}: not a file name in an existing directory")
     trie = TokenTrie.load(args.into, max_nodes=args.max_nodes) if args.into else None  # before torch and the model
     from . import load_model
-    from .models import eos_ids
+    from .decoding.transcript import eos_ids
 
     model, tokenizer = load_model(args.model)
     if trie is None:

@@ -38,8 +38,9 @@ from pathlib import Path
 import torch
 
 from ..config import LookaheadConfig
+from ..decoding.transcript import eos_ids
 from ..engine import LookaheadEngine
-from ..models import eos_ids, load_model
+from ..models import load_model
 from .datasets import load_prompts
 from .report import add_model_options, markdown_table, run_record
 from .runner import parse_variant

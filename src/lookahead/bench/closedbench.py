@@ -30,10 +30,11 @@ import torch
 from .. import hf
 from ..decoding.generation import Generation
 from ..decoding.step import Verifier, longest_context
+from ..decoding.transcript import eos_ids
 from ..drafting.policy import step_width
 from ..drafting.tree import DraftTree
 from ..engine import LookaheadEngine
-from ..models import eos_ids, load_model
+from ..models import load_model
 from .batchbench import run_batched
 from .datasets import load_prompts
 from .report import add_model_options, markdown_table, run_record

@@ -28,8 +28,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
+from ..config import cache_dir
 from ..drafting.policy import BASE_CONTEXT, CostModel
-from ..models import cache_dir
 from .load import QUIET, OthersLoad
 
 COST_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # small widths are irregular on CPUs

@@ -10,10 +10,20 @@ string, so a streamed text never has to be taken back.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 Decode = Callable[[Sequence[int]], str]
 FinishReason = Literal["stop", "length"]
+
+
+def eos_ids(generation_config: Any, tokenizer: Any = None) -> frozenset[int]:
+    """End-of-sequence ids as transformers' `generate()` sees them: the generation config's, else the tokenizer's."""
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
 
 
 def stop_strings(stop: str | Iterable[str] | None) -> tuple[str, ...]:

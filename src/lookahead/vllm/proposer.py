@@ -84,7 +84,7 @@ def _eos_ids(model_config: Any, tokenizer: Any) -> frozenset[int]:
     """The model's end-of-turn ids (the trie's n-gram boundaries), from its generation config or tokenizer."""
     from transformers import GenerationConfig
 
-    from ..models import eos_ids
+    from ..decoding.transcript import eos_ids
 
     try:
         generation = GenerationConfig.from_pretrained(

@@ -9,7 +9,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ...config import LookaheadConfig
 from ...decoding.backend import DraftMode
-from ...models import eos_ids
+from ...decoding.transcript import eos_ids
 from .capability import check_cached_decoding, probe_batching, probe_draft_mode
 from .costs import ModelMeter
 from .forward import ModelForward
