@@ -19,6 +19,8 @@ TORCH_FREE = [
     "lookahead.drafting.triefile",
     "lookahead.decoding.step",
     "lookahead.decoding.batch",
+    "lookahead.decoding.transcript",
+    "lookahead.decoding.costs",
     "lookahead.bench.replay",
     "lookahead.bench.sharing",
     "lookahead.sharing",

@@ -1,4 +1,4 @@
-"""Settings: the drafter's (how large a draft tree may be and how it is matched), and where measurements are kept."""
+"""Settings: the drafter's (how large a draft tree may be and how it is matched), and the cache directory."""
 
 from __future__ import annotations
 
@@ -148,8 +148,8 @@ def _convert(key: str, text: str, kind: object) -> object:
 
 
 def cache_dir() -> Path:
-    """Where converted models, cost curves and other measurements of this machine are kept: $LOOKAHEAD_CACHE, else
-    $XDG_CACHE_HOME/lookahead, else ~/.cache/lookahead."""
+    """Where converted models, and cost curves and other measurements of this machine, are kept: $LOOKAHEAD_CACHE,
+    else $XDG_CACHE_HOME/lookahead, else ~/.cache/lookahead."""
     if explicit := os.environ.get("LOOKAHEAD_CACHE"):
         return Path(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"

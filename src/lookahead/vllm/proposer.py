@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from multiprocessing.util import Finalize
 from typing import Any
 
+from ..decoding.transcript import eos_ids
 from ..drafting.drafter import TrieDrafting
 from ..server.persistence import TrieSaver, load_trie
 from . import Settings
@@ -83,8 +84,6 @@ def _tokenizer(model_config: Any) -> Any:
 def _eos_ids(model_config: Any, tokenizer: Any) -> frozenset[int]:
     """The model's end-of-turn ids (the trie's n-gram boundaries), from its generation config or tokenizer."""
     from transformers import GenerationConfig
-
-    from ..decoding.transcript import eos_ids
 
     try:
         generation = GenerationConfig.from_pretrained(
