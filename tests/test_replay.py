@@ -63,9 +63,8 @@ class PricedAsRecorded(Priced):
         told = []
         for verdict, tree in zip(verdicts, trees, strict=True):
             rows, path = verdict.following, [0, *verdict.accepted]
-            if (
-                rows is not None
-            ):  # the real verifier's: a row per verified position; the kept path's start with the emitted tokens
+            # the real verifier's rows: one per verified position; the kept path's start with the emitted tokens
+            if rows is not None:
                 assert rows.shape == (len(tree) + 1, 8) and (rows >= 0).all()
                 assert rows[path, 0].tolist() == verdict.emitted
                 rows = np.where(np.isin(np.arange(len(rows)), path)[:, None], rows, -1)
