@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -128,6 +130,18 @@ def test_calibration_starts_from_the_trie_and_learns_per_source():
     rates = engine.rates(PRIOR)
     assert path_probabilities(PROMPT_CHAIN, rates)[-1] > 0.98
     assert path_probabilities(OUTPUT_CHAIN, rates)[0] < 0.02
+
+
+def test_a_chain_continuing_a_longer_match_is_calibrated_apart():
+    engine = Calibration(weight=2.0)
+    one, four = replace(OUTPUT_CHAIN, matched=1), replace(OUTPUT_CHAIN, matched=4)
+    for _ in range(300):
+        _observe(engine, four, [1, 2, 3])  # after four tokens matched, an earlier answer's continuation holds
+        _observe(engine, one, [])  # after one, the same counts do not
+    rates = engine.rates(PRIOR)
+    assert path_probabilities(four, rates)[-1] > 0.98 and path_probabilities(one, rates)[0] < 0.02
+    assert np.array_equal(Calibration.cells(replace(four, matched=9)), Calibration.cells(four))  # 4 or more: one bin
+    assert np.array_equal(Calibration.cells(replace(one, matched=0)), Calibration.cells(one))
 
 
 def test_only_nodes_whose_parent_was_accepted_are_counted():

@@ -12,7 +12,7 @@ from safetensors.numpy import save
 
 from lookahead import LookaheadConfig
 from lookahead.drafting.drafter import TrieDrafter
-from lookahead.drafting.ngrams import PROMPT, RECYCLED
+from lookahead.drafting.ngrams import OUTPUT, PROMPT, RECYCLED
 from lookahead.drafting.policy import TRIE_PRIOR, Calibration, DraftPolicy
 from lookahead.drafting.recycled import RecycledTable, rank_of, rank_ratio
 from lookahead.drafting.tree import DraftTree
@@ -66,10 +66,12 @@ def test_a_saved_table_is_checked():
 
 def test_rank_codes_round_trip_and_fall_in_their_own_cells():
     assert [rank_of(rank_ratio(rank)) for rank in range(64)] == list(range(64))
-    cells = [Calibration.cell(RECYCLED, rank_ratio(rank), False) for rank in range(6)]
+    cells = [Calibration.cell(RECYCLED, rank_ratio(rank), False, 0) for rank in range(6)]
     assert len(set(cells[:5])) == 5 and cells[4] == cells[5], "ranks 0-3 apart, 4 and later together"
-    assert min(cells) >= 3 * Calibration.RATIO_BINS * 2, "a cell apart from every trie source's"
-    assert Calibration.cell(RECYCLED | PROMPT, 0.9, False) == Calibration.cell(PROMPT, 0.9, False)
+    trie_cells = {Calibration.cell(flags, ratio / 10, deep, matched) for flags in (PROMPT, OUTPUT, 0)
+                  for ratio in range(11) for deep in (False, True) for matched in range(6)}  # fmt: skip
+    assert not trie_cells & set(cells), "a cell apart from every trie source's"
+    assert Calibration.cell(RECYCLED | PROMPT, 0.9, False, 2) == Calibration.cell(PROMPT, 0.9, False, 2)
     assert TRIE_PRIOR[cells[0]] > TRIE_PRIOR[cells[1]] > TRIE_PRIOR[cells[4]]
 
 
@@ -77,7 +79,7 @@ def test_recycled_children_join_the_trie_tree_once_with_their_tags():
     trie = TokenTrie(ngram_length=6, recycled=3)
     trie.insert([1, 2, 3, 4], request="r")
     trie.recycle([2, 3, 9], np.array([[3, 7, 8], [9, 4, 5], [6, 0, 1]]))
-    chance = lambda flags, ratio, deep: 0.3 * ratio if flags == RECYCLED else 0.6  # noqa: E731 (learned rates)
+    chance = lambda flags, ratio, deep, matched: 0.3 * ratio if flags == RECYCLED else 0.6  # noqa: E731 (learned rates)
     tree = trie.retrieve([1, 2], budget=32, max_depth=3, request="r", chance=chance)
     paths = _paths(tree)
     assert len(paths) == len(set(paths)), "no node offered twice"
@@ -98,7 +100,7 @@ def test_a_token_offered_twice_is_one_node():
     trie = TokenTrie(ngram_length=4, recycled=3)
     trie.insert([1, 2, 3], request="r")
     trie._recycled._rows = np.array([[-1, -1, -1], [-1, -1, -1], [3, 7, 7], [7, 7, 3]], dtype=np.int32)
-    tree = trie.retrieve([1, 2], budget=8, max_depth=2, request="r", chance=lambda flags, ratio, deep: 0.3)
+    tree = trie.retrieve([1, 2], budget=8, max_depth=2, request="r", chance=lambda flags, ratio, deep, matched: 0.3)
     paths = _paths(tree)
     assert len(paths) == len(set(paths)) and {(3,), (7,), (3, 7)} <= set(paths)
 
@@ -110,7 +112,7 @@ def test_guesses_share_only_what_retrieval_leaves():
     trie.recycle([2, 3, 4], np.array([[8, 9], [8, 9], [8, 9]]))
     sure = trie.retrieve([1, 2], budget=32, max_depth=3, request="r")  # counts say 1.0: no room for guesses
     assert sure.tokens == [3, 4, 5] and sure.chances == [1.0, 1.0, 1.0]
-    chance = lambda flags, ratio, deep: 0.4 if flags == RECYCLED else 0.8  # noqa: E731
+    chance = lambda flags, ratio, deep, matched: 0.4 if flags == RECYCLED else 0.8  # noqa: E731
     tree = trie.retrieve([1, 2], budget=32, max_depth=1, request="r", chance=chance)
     assert dict(zip(tree.tokens, tree.chances, strict=True)) == pytest.approx({3: 0.8, 8: 0.1, 9: 0.1})
 

@@ -22,9 +22,11 @@ def test_parents_must_come_first():
 
 
 def test_subtree_reindexes_and_keeps_every_column():
-    tree = DraftTree(tokens=[10, 11, 12, 13], parents=[0, 0, 1, 3], ratios=[0.9, 0.5, 0.5, 0.75], sources=[4, 1, 4, 5])
+    tree = DraftTree(
+        [10, 11, 12, 13], parents=[0, 0, 1, 3], ratios=[0.9, 0.5, 0.5, 0.75], sources=[4, 1, 4, 5], matched=3
+    )
     small = tree.subtree([0, 2, 3])
-    assert small.tokens == [10, 12, 13] and small.parents == [0, 1, 2]
+    assert small.tokens == [10, 12, 13] and small.parents == [0, 1, 2] and small.matched == tree.prefix(2).matched == 3
     assert small.ratios == [0.9, 0.5, 0.75] and small.sources == [4, 4, 5]
     assert small.scores == tree.scores[:1] + tree.scores[2:] == [0.9, 0.45, 0.3375]
     assert tree.subtree([]).tokens == []

@@ -69,7 +69,7 @@ def test_a_learned_chance_reorders_the_draft():
     trie.insert([1, 7, 8], request="r")  # once in this prompt
     assert trie.retrieve([1], 1, 4, request="r").tokens == [2]
 
-    def prefer_prompt(flags: int, ratio: float, deep: bool) -> float:
+    def prefer_prompt(flags: int, ratio: float, deep: bool, matched: int) -> float:
         return 0.9 if flags & PROMPT else 0.1
 
     prompt_first = trie.retrieve([1], 2, 4, request="r", chance=prefer_prompt)
@@ -80,12 +80,12 @@ def test_learned_chances_of_siblings_never_add_up_past_one():
     trie = TokenTrie(ngram_length=3)
     for follower in range(10, 20):  # ten answers continued [1] ten ways, each once
         trie.observe("answers", [1, follower, follower + 50])
-    generous = trie.retrieve([1], 30, 2, chance=lambda flags, ratio, deep: 0.5)
+    generous = trie.retrieve([1], 30, 2, chance=lambda flags, ratio, deep, matched: 0.5)
     first = [chance for chance, parent in zip(generous.chances, generous.parents, strict=True) if parent == 0]
     assert len(first) == 10 and sum(first) == pytest.approx(1.0), "only one of them can be accepted"
     deeper = [chance for chance, parent in zip(generous.chances, generous.parents, strict=True) if parent > 0]
     assert deeper and all(chance == pytest.approx(0.05) for chance in deeper), "an only child keeps its own 0.5"
-    modest = trie.retrieve([1], 30, 2, chance=lambda flags, ratio, deep: 0.05)
+    modest = trie.retrieve([1], 30, 2, chance=lambda flags, ratio, deep, matched: 0.05)
     assert [c for c, p in zip(modest.chances, modest.parents, strict=True) if p == 0] == pytest.approx([0.05] * 10)
 
 
@@ -121,6 +121,15 @@ def test_longest_matching_tail_wins():
     trie.insert([9, 3, 5])
     assert trie.retrieve([1, 2, 3], 1, 1, match_length=3).tokens == [4]
     assert trie.retrieve([9, 3], 1, 1, match_length=3).tokens == [5]
+
+
+def test_a_tree_keeps_how_many_context_tokens_its_root_matched():
+    trie = TokenTrie(ngram_length=5)
+    trie.insert([1, 2, 3, 4])
+    assert trie.retrieve([1, 2, 3], 4, 4, match_length=3).matched == 3
+    assert trie.retrieve([7, 2, 3], 4, 4, match_length=3).matched == 2
+    assert trie.retrieve([7, 3], 4, 4, match_length=3).prefix(1).matched == 1
+    assert trie.retrieve([7, 4], 4, 4, match_length=3).matched == 0  # nothing follows: an empty tree
 
 
 def test_single_path_mode():

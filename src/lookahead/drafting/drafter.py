@@ -95,7 +95,9 @@ class TrieDrafter:
             match_length=config.match_length,
             branching=branching,
             min_score=config.min_score,
-            chance=None if rates is None else lambda flags, ratio, deep: rates[Calibration.cell(flags, ratio, deep)],
+            chance=None
+            if rates is None
+            else lambda flags, ratio, deep, matched: rates[Calibration.cell(flags, ratio, deep, matched)],
             floors=(lambda: policy.floors(config.decoding_length, len(context) - 1))
             if alone and policy.adaptive
             else None,

@@ -267,12 +267,15 @@ class Calibration:
     Nodes fall in cells by where their n-gram was seen (the request's prompt, earlier
     output, a corpus; or nowhere, only recycled from the model's own top tokens), by the
     trie's estimate for that edge (child count / parent count, in RATIO_BINS bins; a recycled
-    node's rank among the model's next tokens) and by whether they continue an accepted draft token (depth 2 or more)
-    or start a draft. Replayed benchmark prompts show why all three: in the top ratio bin a
-    continuation copied from the prompt was accepted 93 % of the time, one seen in earlier
-    answers 78 % (and 56-99 % from one data set to another, hence the per-request rates);
-    a node whose parent was accepted is in a run of copied text, 2-9 times likelier
-    accepted than the first node of a draft.
+    node's rank among the model's next tokens), by how many tokens of the context the tree's
+    root matched (1 to MATCH_BINS) and by whether they continue an accepted draft token (depth
+    2 or more) or start a draft. Replayed benchmark prompts show why all four: in the top ratio
+    bin a continuation copied from the prompt was accepted 93 % of the time, one seen in
+    earlier answers 78 % (and 56-99 % from one data set to another, hence the per-request
+    rates); a first node continuing four matched tokens of an earlier answer twice as often as
+    one continuing a single token, in the same ratio bin (benchmarks/NOTES.md); a node whose
+    parent was accepted is in a run of copied text, 2-9 times likelier accepted than the first
+    node of a draft.
 
     A cell's rate is (accepted + weight * prior) / (sent + weight): the engine's calibration
     has the trie's own estimate as prior; a request's (RequestRates) has the engine's rates
@@ -283,7 +286,9 @@ class Calibration:
     RATIO_BINS = 5
     SOURCES = 4
     """Prompt, earlier output, corpus, recycled only."""
-    CELLS = SOURCES * RATIO_BINS * 2
+    MATCH_BINS = 4
+    """Matched tails of 1, 2, 3, and MATCH_BINS or more tokens (none: as one)."""
+    CELLS = SOURCES * RATIO_BINS * MATCH_BINS * 2
     HALVE_AT = 1000.0
     """Past this many observations a cell's counts are halved: the rate follows recent traffic."""
 
@@ -312,22 +317,27 @@ class Calibration:
         midpoints = (np.arange(cls.RATIO_BINS) + 0.5) / cls.RATIO_BINS
         ranks = np.arange(cls.RATIO_BINS)[::-1]  # bin RATIO_BINS - 1 is rank 0
         recycled = 0.5 / (ranks + 1)
-        return np.concatenate([np.tile(np.repeat(midpoints, 2), cls.SOURCES - 1), np.repeat(recycled, 2)])
+        per_source = np.tile(midpoints, cls.SOURCES - 1)
+        return np.repeat(np.concatenate([per_source, recycled]), cls.MATCH_BINS * 2)
 
     @classmethod
-    def cell(cls, flags: int, ratio: float, deep: bool) -> int:
-        """The cell of a node from its source flags, count ratio (or rank) and whether its parent is a draft node."""
+    def cell(cls, flags: int, ratio: float, deep: bool, matched: int) -> int:
+        """The cell of a node from its source flags, count ratio (or rank), whether its parent is a draft node and
+        how many tokens of the context its tree's root matched."""
         top = cls.RATIO_BINS - 1
         if flags == RECYCLED:
-            return ((cls.SOURCES - 1) * cls.RATIO_BINS + top - min(rank_of(ratio), top)) * 2 + deep
-        source = 0 if flags & PROMPT else 1 if flags & OUTPUT else 2
-        return (source * cls.RATIO_BINS + min(int(ratio * cls.RATIO_BINS), top)) * 2 + deep
+            place = (cls.SOURCES - 1) * cls.RATIO_BINS + top - min(rank_of(ratio), top)
+        else:
+            source = 0 if flags & PROMPT else 1 if flags & OUTPUT else 2
+            place = source * cls.RATIO_BINS + min(int(ratio * cls.RATIO_BINS), top)
+        return (place * cls.MATCH_BINS + min(max(matched, 1), cls.MATCH_BINS) - 1) * 2 + deep
 
     @classmethod
     def cells(cls, tree: DraftTree) -> np.ndarray:
         """The cell of every node of `tree`."""
         nodes = zip(tree.sources, tree.ratios, tree.parents, strict=True)
-        return np.array([cls.cell(flags, ratio, parent > 0) for flags, ratio, parent in nodes], dtype=np.int64)
+        matched = tree.matched
+        return np.array([cls.cell(flags, ratio, parent > 0, matched) for flags, ratio, parent in nodes], dtype=np.int64)
 
     def rates(self, prior: np.ndarray) -> np.ndarray:
         with self._lock:

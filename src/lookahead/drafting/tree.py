@@ -26,6 +26,9 @@ class DraftTree:
     """Where each node came from: OR of the source flags (prompt, output, corpus; recycled from the model)."""
     chances: list[float] = field(default_factory=list)
     """The drafter's estimate that each node's path is accepted; nodes come likeliest first."""
+    matched: int = 0
+    """How many tokens of the context's end the trie matched to grow it (0: none, or not from a trie): the longer the
+    match, the likelier its continuations (policy.Calibration)."""
 
     def __post_init__(self) -> None:
         count = len(self.tokens)
@@ -75,14 +78,14 @@ class DraftTree:
             raise ValueError("a kept node's parent was not kept") from None
         pick = [self.tokens, self.ratios, self.sources, self.chances]
         tokens, ratios, sources, chances = ([column[node] for node in keep] for column in pick)
-        return DraftTree(tokens, parents, ratios, sources, chances)
+        return DraftTree(tokens, parents, ratios, sources, chances, self.matched)
 
     def prefix(self, size: int) -> DraftTree:
         """The first `size` nodes: a tree as they are, since parents come before their children."""
         if size >= len(self.tokens):
             return self
         return DraftTree(self.tokens[:size], self.parents[:size], self.ratios[:size], self.sources[:size],
-                         self.chances[:size])  # fmt: skip
+                         self.chances[:size], self.matched)  # fmt: skip
 
     def within_leaves(self, most: int) -> DraftTree:
         """The longest prefix with at most `most` leaves (a verifier may give each leaf a scarce resource)."""

@@ -43,7 +43,7 @@ from .sources import DraftSource, StoreSource
 from .tree import DraftTree
 from .triefile import RECYCLED_COLUMN, TrieSettings, read_trie, tokenizer_fingerprint, write_trie
 
-EdgeChance = Callable[[int, float, bool], float]
+EdgeChance = Callable[[int, float, bool, int], float]
 """Chance a draft node is accepted once its parent is, from its source flags, count ratio and depth > 1."""
 
 _Place = tuple[DraftSource, Any, int]
@@ -114,6 +114,7 @@ class _Expansion:
         followers: Callable[[int], list[int]] | None,
         min_score: float,
         floors: Callable[[], Sequence[float]] | None = None,
+        matched: int = 0,
     ) -> None:
         self.budget = budget
         self.floors = floors
@@ -121,7 +122,9 @@ class _Expansion:
         self.chance = chance
         self.followers = followers
         self.min_score = min_score
-        self.tree = DraftTree()
+        self.matched = matched
+        """Tokens of the context's end that the root's places match (0: none)."""
+        self.tree = DraftTree(matched=matched)
         # heap entries: (-path chance, tie-break, token, parent block index, depth, count ratio, flags, places)
         self.heap: list[tuple[float, int, int, int, int, float, int, list[_Place]]] = []
         self.counter = 0
@@ -158,15 +161,16 @@ class _Expansion:
                 weight[child] = weight.get(child, 0) + count
                 flags[child] = flags.get(child, 0) | flag
         keep = self.budget - len(self.tree.tokens) if self.branching else 1
-        deep, chance = parent > 0, self.chance
+        deep, chance, matched = parent > 0, self.chance, self.matched
         ratios = {child: weight[child] / total for child in heapq.nlargest(keep, weight, key=weight.__getitem__)}
         edges = {
-            child: ratio if chance is None else chance(flags[child], ratio, deep) for child, ratio in ratios.items()
+            child: ratio if chance is None else chance(flags[child], ratio, deep, matched)
+            for child, ratio in ratios.items()
         }
         guesses: dict[int, float] = {}
         for rank, child in enumerate(self.followers(token)[:keep] if self.followers else ()):
             ratio = rank_ratio(rank)
-            edge = ratio if chance is None else chance(RECYCLED, ratio, deep)
+            edge = ratio if chance is None else chance(RECYCLED, ratio, deep, matched)
             if child in edges:  # retrieval kept it too: the likelier of the two estimates
                 flags[child] |= RECYCLED
                 edges[child] = max(edges[child], edge)
@@ -384,7 +388,7 @@ class TokenTrie:
         every node (the root too) also offers the model's own likeliest next tokens after its
         token (flagged RECYCLED; ratio 1 / (rank + 1) unless retrieval found it as well). Nodes
         are taken in order of that chance, or of the product along the path of
-        `chance(source flags, count ratio, parent is a draft node)` when the caller has learned
+        `chance(source flags, count ratio, parent is a draft node, tokens matched)` when the caller has learned
         better (the adaptive policy), and listed in that order with those chances, so every
         prefix of the tree is a tree. At most `budget` nodes, `max_depth` deep, and none past the
         first whose chance is under its floor (policy.floor_factors: `floors()[i]` times 1 + the
@@ -400,16 +404,17 @@ class TokenTrie:
             sources: list[DraftSource] = [StoreSource(self._shared)]
             if request is not None and request in self._prompts:
                 sources.append(self._prompts[request])
-            start = self._match(context, sources, match_length)
+            start, matched = self._match(context, sources, match_length)
             followers = None if self._recycled is None else self._recycled.followers
-            if start is None and followers is None:
+            if not start and followers is None:
                 return DraftTree()
-            expand = _Expansion(budget, branching, chance, followers, min_score, floors)
-            return expand.best_first(start or [], context[-1], max_depth)
+            expand = _Expansion(budget, branching, chance, followers, min_score, floors, matched)
+            return expand.best_first(start, context[-1], max_depth)
 
     @staticmethod
-    def _match(context: Sequence[int], sources: list[DraftSource], match_length: int) -> list[_Place] | None:
-        """Places of the longest context tail (≤ match_length) that some source continues, with their counts."""
+    def _match(context: Sequence[int], sources: list[DraftSource], match_length: int) -> tuple[list[_Place], int]:
+        """Places of the longest context tail (≤ match_length) that some source continues, with their counts, and
+        that tail's length (none: ([], 0))."""
         for length in range(min(match_length, len(context)), 0, -1):
             tail = context[-length:]
             found = []
@@ -418,8 +423,8 @@ class TokenTrie:
                 if handle is not None:
                     found.append((source, handle, source.count(handle)))
             if found:
-                return found
-        return None
+                return found, length
+        return [], 0
 
     # ---- introspection ----------------------------------------------------------------
 
