@@ -198,6 +198,20 @@ def test_the_policy_sends_chains_where_drafting_pays() -> None:
     assert min(sent[-10:]) >= 4 * 4
 
 
+def test_retrieval_reaches_no_deeper_than_vllm_takes_and_a_row_alone_stops_at_its_floors(monkeypatch) -> None:
+    chains = make_chains("adaptive", max_tokens=4)
+    chains.drafting.policy.cost = TokensCost(1, 10.0)
+    calls = []
+    retrieve = chains.drafting.trie.retrieve
+    monkeypatch.setattr(chains.drafting.trie, "retrieve", lambda *a, **k: calls.append((a, k)) or retrieve(*a, **k))
+    alone, other = Request("a", PROMPT), Request("b", PROMPT)
+    chains.propose(Batch([alone.row()]))
+    chains.propose(Batch([alone.step([12])]))
+    chains.propose(Batch([alone.step([13]), other.step([12])]))
+    assert [k["floors"] is not None for _, k in calls] == [True, False, False]
+    assert [a[2] for a, _ in calls] == [4, 4, 4]  # as deep as the chain vLLM takes, not the trie's 32
+
+
 def test_steps_that_read_a_prompt_are_not_priced() -> None:
     clock = Clock()
     chains = make_chains("adaptive", clock=clock)
