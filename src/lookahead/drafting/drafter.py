@@ -87,6 +87,10 @@ class TrieDrafter:
         config, policy = self.config, self.policy
         self._root = context[-1]
         rates = policy.rates(self.rates).tolist() if policy.adaptive else None
+
+        def chance(flags: int, ratio: float, deep: bool, matched: int) -> float:
+            return rates[Calibration.cell(flags, ratio, deep, matched)]
+
         tree = self.trie.retrieve(
             context,
             config.decoding_length,
@@ -95,9 +99,7 @@ class TrieDrafter:
             match_length=config.match_length,
             branching=branching,
             min_score=config.min_score,
-            chance=None
-            if rates is None
-            else lambda flags, ratio, deep, matched: rates[Calibration.cell(flags, ratio, deep, matched)],
+            chance=None if rates is None else chance,
             floors=(lambda: policy.floors(config.decoding_length, len(context) - 1))
             if alone and policy.adaptive
             else None,

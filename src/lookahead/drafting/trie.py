@@ -44,7 +44,8 @@ from .tree import DraftTree
 from .triefile import RECYCLED_COLUMN, TrieSettings, read_trie, tokenizer_fingerprint, write_trie
 
 EdgeChance = Callable[[int, float, bool, int], float]
-"""Chance a draft node is accepted once its parent is, from its source flags, count ratio and depth > 1."""
+"""Chance a draft node is accepted once its parent is, from its source flags, count ratio, depth > 1 and the tokens of
+the context its tree's root matched."""
 
 _Place = tuple[DraftSource, Any, int]
 """A source, a handle in it and the handle's count: one of the places where a pooled draft node was seen."""

@@ -189,10 +189,10 @@ class ChainDrafting:
                 state = self._requests[row.request] = _Request(self.drafting.open(row.prompt))
             heard = self._hear(state, row, batch.carried.get(row.request))
             steady = steady and heard
-            if row.sampled and row.room > 1 and row.drafting:  # a chain no longer than vLLM takes; a row alone
-                # stops retrieval at its floors (the one-row price list decides alone)
-                room = min(row.room, self.max_tokens + 1)
-                tree = state.drafter.propose(row.tail, room, branching=False, alone=len(batch.rows) == 1)
+            if row.sampled and row.room > 1 and row.drafting:
+                room = min(row.room, self.max_tokens + 1)  # retrieved no deeper than the chain vLLM takes
+                alone = len(batch.rows) == 1  # a row alone stops retrieval at its floors: its price decides alone
+                tree = state.drafter.propose(row.tail, room, branching=False, alone=alone)
             else:
                 tree = DraftTree()
             trees.append(tree)
