@@ -114,3 +114,10 @@ def test_acceptance_totals_of_the_others_past_members_included():
     hub.leave("b")  # what b observed still counts for the others
     assert hub.exchange_rates("c", [0.0, 0.0], [0.0, 0.0]) == ([4.0, 2.0], [1.0, 1.0])
     assert hub.exchange_rates("a", [2.0, 2.0], [1.0, 1.0]) == ([3.0, 0.0], [1.0, 0.0])
+
+
+def test_totals_of_a_calibration_with_other_cells_are_left_out():
+    hub = AnswerHub()
+    hub.exchange_rates("old", [5.0, 5.0, 5.0], [1.0, 1.0, 1.0])  # another version's cells
+    assert hub.exchange_rates("new", [1.0, 2.0], [0.0, 1.0]) == ([0.0, 0.0], [0.0, 0.0])
+    assert hub.exchange_rates("old", [5.0, 5.0, 5.0], [1.0, 1.0, 1.0]) == ([0.0, 0.0, 0.0], [0.0, 0.0, 0.0])

@@ -7,8 +7,9 @@ fix what every row emits: this drives `ChainDrafting` as vLLM's model runner doe
 N requests handed over at once, as `LLM.generate` does, every row's chain verified against its
 recording — on a step priced by `StepPrice` (default: vLLM-CPU's for the bundled model on 2
 cores, measured: benchmarks/NOTES.md), the proposer's clock fed that price. Plain decoding of
-the same groups is priced alike, prompt reading included. `--given-price` hands the policy the
-true price list instead of letting it learn one from its clock.
+the same groups is priced alike, prompt reading included; the proposer's own time is reported,
+not charged (a real run pays it). `--given-price` hands the policy the true price list instead
+of letting it learn one from its clock.
 
     python -m lookahead.bench.chainreplay benchmarks/replay/smollm2-135m.jsonl --rows 1,8,16
 """
@@ -118,7 +119,7 @@ class _Running:
         sampled = self.output[self.emitted : self.emitted + held + 1]
         self.emitted += len(sampled)
         sequence = [*self.prompt, *self.output[: self.emitted]]
-        room = len(self.output) - self.emitted + 1
+        room = len(self.output) - self.emitted  # tokens it may still emit, as vLLM's runner reports them
         row = Row(self.name, self.prompt, sequence[-TAIL:], len(sequence), sampled, len(chain), room, stops=self.stops)
         return row, held
 

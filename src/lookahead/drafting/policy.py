@@ -272,10 +272,9 @@ class Calibration:
     2 or more) or start a draft. Replayed benchmark prompts show why all four: in the top ratio
     bin a continuation copied from the prompt was accepted 93 % of the time, one seen in
     earlier answers 78 % (and 56-99 % from one data set to another, hence the per-request
-    rates); a first node continuing four matched tokens of an earlier answer twice as often as
-    one continuing a single token, in the same ratio bin (benchmarks/NOTES.md); a node whose
-    parent was accepted is in a run of copied text, 2-9 times likelier accepted than the first
-    node of a draft.
+    rates); in one ratio bin, a continuation of more matched tokens is likelier accepted
+    (benchmarks/NOTES.md); a node whose parent was accepted is in a run of copied text, 2-9
+    times likelier accepted than the first node of a draft.
 
     A cell's rate is (accepted + weight * prior) / (sent + weight): the engine's calibration
     has the trie's own estimate as prior; a request's (RequestRates) has the engine's rates
@@ -287,7 +286,7 @@ class Calibration:
     SOURCES = 4
     """Prompt, earlier output, corpus, recycled only."""
     MATCH_BINS = 4
-    """Matched tails of 1, 2, 3, and MATCH_BINS or more tokens (none: as one)."""
+    """Matched tails of 1 to MATCH_BINS - 1 tokens, one bin each, and of MATCH_BINS or more (none: as one)."""
     CELLS = SOURCES * RATIO_BINS * MATCH_BINS * 2
     HALVE_AT = 1000.0
     """Past this many observations a cell's counts are halved: the rate follows recent traffic."""
@@ -382,7 +381,7 @@ TRIE_PRIOR = Calibration.trie_prior()
 class RequestRates:
     """One request's own acceptance rates: per cell, and one level for all its cells that reacts in a few steps.
 
-    A request's failures land in many cells (four sources by five ratio bins by depth), so
+    A request's failures land in many cells (four sources by five ratio bins by matched length by depth), so
     per-cell counts alone learn slowly that this request's drafts fail. The level is the
     request's accepted nodes over the nodes its rates expected (both fading by LEVEL_FADE a
     step, with LEVEL_WEIGHT of neutral evidence), and scales the engine's rates in every

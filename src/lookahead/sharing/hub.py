@@ -164,11 +164,12 @@ class AnswerHub:
     def exchange_rates(
         self, replica: str, sent: Sequence[float], accepted: Sequence[float]
     ) -> tuple[list[float], list[float]]:
-        """Keep `replica`'s observed totals; the sums of every other replica's (past members' included)."""
+        """Keep `replica`'s observed totals; the sums of every other replica's (past members' included) that count
+        the same cells (a replica of another version, whose calibration has other cells, is left out of them)."""
         self._heard(replica)
         self._rates[replica] = ([float(x) for x in sent], [float(x) for x in accepted])
-        others = [totals for name, totals in self._rates.items() if name != replica]
         cells = len(sent)
+        others = [totals for name, totals in self._rates.items() if name != replica and len(totals[0]) == cells]
         return (
             [sum(totals[0][i] for totals in others) for i in range(cells)],
             [sum(totals[1][i] for totals in others) for i in range(cells)],

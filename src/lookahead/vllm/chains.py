@@ -182,22 +182,24 @@ class ChainDrafting:
         for request in ended:
             self.close(request)
         steady = self._last_call is not None
-        trees: list[DraftTree] = []
+        states = []
         for row in batch.rows:
             state = self._requests.get(row.request)
             if state is None:
                 state = self._requests[row.request] = _Request(self.drafting.open(row.prompt))
             heard = self._hear(state, row, batch.carried.get(row.request))
             steady = steady and heard
+            states.append(state)
+        if steady and batch.rows and len(batch.carried) == len(batch.rows):  # priced before retrieval: the floors
+            self._observe(batch, (now - self._last_call) * 1000.0)  # a row alone stops at are the fit's own
+        alone = len(batch.rows) == 1  # a row alone stops retrieval at its floors: its price decides alone
+        trees: list[DraftTree] = []
+        for row, state in zip(batch.rows, states, strict=True):
             if row.sampled and row.room > 1 and row.drafting:
                 room = min(row.room, self.max_tokens + 1)  # retrieved no deeper than the chain vLLM takes
-                alone = len(batch.rows) == 1  # a row alone stops retrieval at its floors: its price decides alone
-                tree = state.drafter.propose(row.tail, room, branching=False, alone=alone)
+                trees.append(state.drafter.propose(row.tail, room, branching=False, alone=alone))
             else:
-                tree = DraftTree()
-            trees.append(tree)
-        if steady and batch.rows and len(batch.carried) == len(batch.rows):
-            self._observe(batch, (now - self._last_call) * 1000.0)
+                trees.append(DraftTree())
         context = max((row.length for row in batch.rows), default=1) - 1
         if self.drafting.policy.adaptive:
             trees = self.drafting.fit(trees, context)
