@@ -190,9 +190,10 @@ class ChainDrafting:
             heard = self._hear(state, row, batch.carried.get(row.request))
             steady = steady and heard
             states.append(state)
-        if steady and batch.rows and len(batch.carried) == len(batch.rows):  # priced before retrieval: the floors
-            self._observe(batch, (now - self._last_call) * 1000.0)  # a row alone stops at are the fit's own
-        alone = len(batch.rows) == 1  # a row alone stops retrieval at its floors: its price decides alone
+        # The step just run is priced before retrieval, so the floors a row alone stops at come from the fit's prices.
+        if steady and batch.rows and len(batch.carried) == len(batch.rows):
+            self._observe(batch, (now - self._last_call) * 1000.0)
+        alone = len(batch.rows) == 1  # its price decides alone: retrieval may stop at its floors
         trees: list[DraftTree] = []
         for row, state in zip(batch.rows, states, strict=True):
             if row.sampled and row.room > 1 and row.drafting:
