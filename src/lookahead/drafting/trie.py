@@ -123,8 +123,6 @@ class _Expansion:
         self.chance = chance
         self.followers = followers
         self.min_score = min_score
-        self.matched = matched
-        """Tokens of the context's end that the root's places match (0: none)."""
         self.tree = DraftTree(matched=matched)
         # heap entries: (-path chance, tie-break, token, parent block index, depth, count ratio, flags, places)
         self.heap: list[tuple[float, int, int, int, int, float, int, list[_Place]]] = []
@@ -162,7 +160,7 @@ class _Expansion:
                 weight[child] = weight.get(child, 0) + count
                 flags[child] = flags.get(child, 0) | flag
         keep = self.budget - len(self.tree.tokens) if self.branching else 1
-        deep, chance, matched = parent > 0, self.chance, self.matched
+        deep, chance, matched = parent > 0, self.chance, self.tree.matched
         ratios = {child: weight[child] / total for child in heapq.nlargest(keep, weight, key=weight.__getitem__)}
         edges = {
             child: ratio if chance is None else chance(flags[child], ratio, deep, matched)
