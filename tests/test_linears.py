@@ -5,9 +5,10 @@ import torch
 from tiny_models import tiny_model
 
 from lookahead.backends.transformers import kernels
+from lookahead.backends.transformers.costs import ModelMeter
 from lookahead.backends.transformers.forward import ModelForward
-from lookahead.backends.transformers.kernels import DRAFT_WIDTHS, keep_if_faster, packed_candidate
-from lookahead.backends.transformers.linears import PackedLinears, packable, packed_as
+from lookahead.backends.transformers.kernels import DRAFT_WIDTHS, first_of_faster, packed_candidate, packed_from
+from lookahead.backends.transformers.linears import PackedLinears, packable, packable_dtypes, packed_as
 from lookahead.drafting.tree import DraftTree
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="this torch has no oneDNN packed linear layers")
@@ -16,15 +17,15 @@ PROMPT = [(7 * i) % 5000 + 30 for i in range(60)]
 BLOCK = [412, 1093, 77, 2048, 9, 3131]
 
 
-def _logits(forward: ModelForward, block: list[int], one_at_a_time: bool) -> torch.Tensor:
-    """Logits of `block` after PROMPT: in one chain-masked pass, or one token a pass (plain decoding)."""
+def _logits(forward: ModelForward, block: list[int], one_at_a_time: bool, prompt: list[int] = PROMPT) -> torch.Tensor:
+    """Logits of `block` after `prompt`: in one chain-masked pass, or one token a pass (plain decoding)."""
     with torch.inference_mode():
         cache = forward.new_cache()
-        forward(cache, PROMPT, 0, last_only=True)
+        forward(cache, prompt, 0, last_only=True)
         if not one_at_a_time:
             chain = DraftTree(tokens=block[1:], parents=list(range(len(block) - 1)))
-            return forward(cache, block, len(PROMPT), chain)
-        return torch.cat([forward(cache, [token], len(PROMPT) + i) for i, token in enumerate(block)])
+            return forward(cache, block, len(prompt), chain)
+        return torch.cat([forward(cache, [token], len(prompt) + i) for i, token in enumerate(block)])
 
 
 def test_packed_layers_compute_what_the_model_does_and_leave_it_as_it_was(model):
@@ -40,6 +41,23 @@ def test_packed_layers_compute_what_the_model_does_and_leave_it_as_it_was(model)
     assert not any("forward" in vars(module) for module in model.modules()), "routed only within the pass"
     with torch.inference_mode():
         assert torch.equal(model(torch.tensor([PROMPT])).logits, before)
+
+
+@pytest.mark.skipif(torch.bfloat16 not in packable_dtypes(), reason="oneDNN computes no bfloat16 on this CPU")
+@pytest.mark.usefixtures("one_thread")
+def test_bfloat16_layers_pack_where_the_cpu_computes_bfloat16():
+    model = tiny_model("llama").to(torch.bfloat16)
+    vocab = model.config.vocab_size
+    prompt, block = [t % vocab for t in PROMPT], [t % vocab for t in BLOCK]
+    forward = ModelForward(model)
+    own = _logits(forward, block, False, prompt)
+    forward.linears = PackedLinears(model)
+    assert len(forward.linears) == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    packed = _logits(forward, block, False, prompt)
+    assert packed.dtype == torch.bfloat16
+    scale = float(own.float().abs().max())  # another summation order: a bfloat16 rounding or two of the logits, no more
+    torch.testing.assert_close(packed.float(), own.float(), rtol=0, atol=2**-6 * scale)
+    assert torch.equal(packed.argmax(-1), own.argmax(-1))
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -62,14 +80,15 @@ def _tiny_logits(forward: ModelForward) -> torch.Tensor:
         return forward(forward.new_cache(), [5, 9, 17, 33, 65], 0)
 
 
-def test_only_plain_float32_linear_layers_on_the_cpu_are_packed():
+def test_only_plain_linear_layers_of_a_packable_dtype_on_the_cpu_are_packed():
     class Adapter(torch.nn.Linear):
         pass
 
     wrapped = torch.nn.Linear(8, 8)
     wrapped.forward = lambda x: x  # a library's own forward (offloading, adapters) is left alone
     assert packable(torch.nn.Linear(8, 8))
-    assert not packable(torch.nn.Linear(8, 8, dtype=torch.bfloat16))
+    assert packable(torch.nn.Linear(8, 8, dtype=torch.bfloat16)) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert not packable(torch.nn.Linear(8, 8, dtype=torch.float64))
     assert not packable(Adapter(8, 8))
     assert not packable(wrapped)
     with packed_as(None):
@@ -93,7 +112,7 @@ def test_auto_measures_once_and_keeps_its_verdict(monkeypatch, tmp_path):
     second = _auto(model)  # another engine on the model: its packed layers remember
     again = _auto(_named_tiny_llama("tiny-llama-for-linears"))  # a restart: the cache file
     assert timed == [1]
-    assert (first is None) == (second is None) == (again is None)
+    assert first == second == again
     forward = ModelForward(model)
     assert packed_candidate(forward, "model") is None
     packed = packed_candidate(forward, "packed")
@@ -107,9 +126,35 @@ def test_auto_measures_once_and_keeps_its_verdict(monkeypatch, tmp_path):
         packed_candidate(forward, "fast")
 
 
-def _auto(model: torch.nn.Module):
+def _auto(model: torch.nn.Module) -> int | None:
     forward = ModelForward(model)
-    return keep_if_faster(forward, packed_candidate(forward, "auto"), DRAFT_WIDTHS)
+    return packed_from(forward, packed_candidate(forward, "auto"), DRAFT_WIDTHS)
+
+
+def test_passes_run_packed_from_the_narrowest_width_they_win_at_and_every_wider_one():
+    model = {1: 20.0, 2: 21.0, 4: 33.0, 8: 41.0}
+    assert first_of_faster({1: 26.0, 2: 27.0, 4: 27.5, 8: 30.0}, model) == 4
+    assert first_of_faster({1: 19.0, 2: 20.0, 4: 27.5, 8: 30.0}, model) == 1
+    assert first_of_faster({1: 19.0, 2: 22.0, 4: 27.5, 8: 30.0}, model) == 4, "a width it loses at comes first"
+    assert first_of_faster({1: 19.0, 2: 20.0, 4: 27.5, 8: 42.0}, model) is None, "it loses the widest"
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_pass_narrower_than_packed_from_runs_the_models_own_layers():
+    model = _named_tiny_llama("tiny-llama-for-routing")
+    forward = ModelForward(model)
+    forward.linears, forward.packed_from = PackedLinears(model), 3
+    routed = []
+    real = forward.linears.forwards
+    forward.linears.forwards = {m: (lambda x, f=f: routed.append(x.shape[-2]) or f(x)) for m, f in real.items()}
+    with torch.inference_mode():
+        cache = forward.new_cache()
+        forward(cache, [5, 9, 17, 33], 0)  # prefill of 4 tokens: packed
+        forward(cache, [65], 4)  # a plain step: the model's own
+        forward(cache, [7, 8], 5, DraftTree([8], [0]))  # 2 tokens: the model's own
+        forward(cache, [7, 8, 9], 7, DraftTree([8, 9], [0, 1]))  # 3 tokens: packed
+    assert sorted(set(routed)) == [3, 4]
+    assert ModelMeter(forward).key.endswith("|linears=packed-from-3"), "its passes are priced by curves of their own"
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -130,8 +175,6 @@ def test_a_verdict_measured_on_a_busy_machine_is_not_kept_for_the_next_start(mon
 
 @pytest.mark.usefixtures("one_thread")
 def test_packed_passes_are_priced_by_their_own_curves():
-    from lookahead.backends.transformers.costs import ModelMeter
-
     model = _named_tiny_llama("tiny-llama-for-linears-key")
     forward = ModelForward(model)
     unpacked = ModelMeter(forward).key

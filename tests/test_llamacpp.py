@@ -273,3 +273,10 @@ def test_the_llama_cpp_benchmark_runs_every_method_and_checks_every_output(tmp_p
     assert all(row["new_tokens"] > 0 and row["identical"] == "1/1" for row in result["one_stream"])
     assert [row["streams"] for row in result["batches"]] == [2, 2]
     assert "llama.cpp plain" in (out / "llamabench.md").read_text()
+
+
+def test_the_llama_cpp_benchmark_refuses_a_transformers_dtype_it_does_not_compare():
+    from lookahead.bench import llamabench
+
+    with pytest.raises(SystemExit, match="unknown --transformers float16"):
+        llamabench.main(["--transformers", "float32,float16"])

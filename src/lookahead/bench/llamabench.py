@@ -7,14 +7,15 @@ fall on all of them):
 - `llama.cpp plain`: llama-cpp-python's `Llama.generate`, greedy, one token a step (the reference);
 - `llama.cpp prompt lookup`: the same with `LlamaPromptLookupDecoding` (10 tokens), its own speculation;
 - `plain (ours, llama.cpp)` and `lookahead (llama.cpp)`: this engine on the same file, without and with drafts;
-- with `--transformers` (float32 only): `plain (transformers)` and `lookahead (transformers)`, the engine's
-  other backend on the same weights.
+- with `--transformers` (beside the float32 weights): `plain (ours, transformers)` and `lookahead
+  (transformers)`, the engine's other backend on the same weights; `--transformers float32,bfloat16`
+  adds the transformers model in bfloat16 too (its outputs are held to its own plain decoding).
 
 Then closed batches of `--streams` prompts through `generate_batch` on llama.cpp, plain and lookahead
 alternating group by group. Tokens/s count prefill (the whole call, as a user waits for it). Each
 output is compared with its reference (llama.cpp plain; for the transformers methods, transformers
-plain), and every divergence is reported with the top-2 logit margin of llama.cpp's one-token step
-at that position (a near-tie is rounding; a wide margin would be a bug).
+plain), and every divergence is reported with the reference's top-2 logit margin at that position (llama.cpp's
+one-token step; the transformers model's own pass): a near-tie is rounding, a wide margin would be a bug.
 
     python -m lookahead.bench.llamabench --out benchmarks/llama-smollm2-135m
 """
@@ -169,13 +170,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--streams", type=int, default=8, help="rows of the closed batches (0: none)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--transformers", action="store_true", help="also the transformers backend (float32)")
+    parser.add_argument("--transformers", nargs="?", const="float32", default="",
+                        help="also the transformers backend, in these dtypes (default float32)")  # fmt: skip
     parser.add_argument("--out", default="bench-out/llama")
     args = parser.parse_args(argv)
     prompts = load_prompts([s for s in args.sets.split(",") if s], args.limit)
     weights = [w for w in args.weights.split(",") if w]
     if bad := [w for w in weights if w not in ("float32", "float16", "bfloat16", "file")]:
         raise SystemExit(f"unknown --weights {','.join(bad)}: choose from float32, float16, bfloat16, file")
+    hf_dtypes = [d for d in args.transformers.split(",") if d]
+    if bad := [d for d in hf_dtypes if d not in ("float32", "bfloat16")]:
+        raise SystemExit(f"unknown --transformers {','.join(bad)}: choose from float32, bfloat16")
     import torch
 
     torch.set_num_threads(args.threads)
@@ -198,19 +203,22 @@ def main(argv: list[str] | None = None) -> int:
         runs = llama_runs(model.path, args.threads, model.vocabulary.end_ids, args.max_new_tokens)
         runs.update(engine_runs(engines, "llama.cpp", args.max_new_tokens))
         references = dict.fromkeys(runs, REFERENCE)
-        if args.transformers and kind == "float32":
-            hf_model, hf_tokenizer = load_model(args.model)
+        judges = dict.fromkeys(runs, model)  # whose one-token step gives a divergence's margin
+        for dtype in hf_dtypes if kind == "float32" else []:
+            hf_model, hf_tokenizer = load_model(args.model, dtype)
             hf_engine = LookaheadEngine(hf_model, hf_tokenizer)
-            hf_runs = engine_runs((hf_engine, hf_engine), "transformers", args.max_new_tokens)
+            hf_label = "transformers" if dtype == "float32" else f"transformers {dtype}"
+            hf_runs = engine_runs((hf_engine, hf_engine), hf_label, args.max_new_tokens)
             runs.update(hf_runs)
-            references.update(dict.fromkeys(hf_runs, "plain (ours, transformers)"))
+            references.update(dict.fromkeys(hf_runs, f"plain (ours, {hf_label})"))
+            judges.update(dict.fromkeys(hf_runs, hf_model))
         samples = one_stream(runs, prompts, ids, lambda text, label=label: say(f"{label}: {text}"))
         rows += summarize_stream(label, samples, prompts, references)
         for (method, number), (tokens, _, _) in samples.items():
-            want = samples[REFERENCE, number][0]
-            llama = method.endswith("(llama.cpp)") or method == "llama.cpp prompt lookup"
-            if llama and (index := first_difference(tokens, want)) is not None and index < len(want):
-                margin = reference_margin(model, ids[number], want, index)
+            want = samples[references[method], number][0]
+            index = first_difference(tokens, want) if method != references[method] else None
+            if index is not None and index < len(want):
+                margin = reference_margin(judges[method], ids[number], want, index)
                 divergences.append({"weights": label, "method": method, "prompt": prompts[number].key,
                                     "position": index, "reference_margin": margin})  # fmt: skip
         if args.streams > 1:

@@ -13,7 +13,7 @@ from ...decoding.transcript import eos_ids
 from .capability import check_cached_decoding, probe_batching, probe_draft_mode
 from .costs import ModelMeter
 from .forward import ModelForward
-from .kernels import DRAFT_WIDTHS, keep_if_faster, packed_candidate
+from .kernels import DRAFT_WIDTHS, packed_candidate, packed_from
 from .verifier import ModelVerifier
 
 # Generation-config settings that change which token greedy `generate()` picks; the engine applies
@@ -53,7 +53,11 @@ class TransformersBackend:
         self.draft_mode: DraftMode = probe_draft_mode(self.forward)
         if packed is not None and config.linears == "auto":
             widths = DRAFT_WIDTHS if self.draft_mode != "off" else (1,)
-            self.forward.linears = keep_if_faster(self.forward, packed, widths)
+            verdict = packed_from(self.forward, packed, widths)
+            if verdict is None:
+                self.forward.linears = None
+            else:
+                self.forward.packed_from = verdict
         self.verifier = ModelVerifier(self.forward, self.draft_mode, config.decoding_length, config.recycled)
         self._batching_lock = threading.Lock()
         self._batching_probed = False

@@ -32,7 +32,7 @@ class ModelMeter:
         self.tree_masks = tree_masks
         key = runtime_key(forward)
         if key and forward.linears is not None:
-            key += "|linears=packed"
+            key += "|linears=packed" if forward.packed_from == 1 else f"|linears=packed-from-{forward.packed_from}"
         self.key = key
         self.batch_key = "|packed" if layout == "packed" else ""
         self.max_positions = getattr(forward.config, "max_position_embeddings", None)

@@ -37,6 +37,8 @@ class ModelForward:
         """The attention this engine's passes use instead of the model's SDPA (decoding/attention.py), or None."""
         self.linears: PackedLinears | None = None
         """The packed linear layers this engine's passes use instead of the model's (linears.py), or None."""
+        self.packed_from = 1
+        """Passes of fewer tokens run the model's own layers instead (measured faster there: kernels.packed_from)."""
 
     @property
     def vocab_size(self) -> int:
@@ -72,7 +74,7 @@ class ModelForward:
         kwargs[self._cache_keyword] = cache
         if last_only and self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        with self._lock, attention_as(self.model, self.attention), packed_as(self.linears):
+        with self._lock, attention_as(self.model, self.attention), packed_as(self._linears(ids.numel())):
             logits = self.model(**kwargs).logits
         return logits[:, -1:] if last_only else logits
 
@@ -92,8 +94,12 @@ class ModelForward:
         kwargs[self._cache_keyword] = cache
         cache.packing = packing
         try:
-            with self._lock, attention_as(self.model, PACKED_SDPA), packed_as(self.linears):
+            with self._lock, attention_as(self.model, PACKED_SDPA), packed_as(self._linears(ids.numel())):
                 logits = self.model(**kwargs, lookahead_packing=packing).logits[0]
         finally:
             cache.packing = None
         return list(logits.split([len(block) for block in blocks]))
+
+    def _linears(self, tokens: int) -> PackedLinears | None:
+        """The packed layers for a pass of `tokens` (every row's, padding included), or None for the model's own."""
+        return self.linears if tokens >= self.packed_from else None

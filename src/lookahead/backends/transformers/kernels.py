@@ -1,9 +1,13 @@
 """Which linear layers the engine's passes run: the model's own, or packed ones (linears.py) where they are faster.
 
 `auto` decides by measurement, once per model and machine: whole passes of a few widths,
-the two kinds taking turns, fastest of each. The verdict is kept in the cost cache beside the
-curves (one measured while the rest of the machine was busy is not) and with the model's
-packed layers, so later engines on the same model in this process do not measure again.
+the two kinds taking turns, fastest of each. Where the model's own layers win the narrow passes
+and packed ones the wider (a BLAS with a fast one-row path, slow for a few rows), passes are
+routed by their number of tokens: from the narrowest measured width packed layers win, and win
+at every wider one, the packed layers; below it, the model's. The verdict is kept in the cost
+cache beside the curves (one measured while the rest of the machine was busy is not) and with
+the model's packed layers, so later engines on the same model in this process do not measure
+again.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ log = logging.getLogger("lookahead.kernels")
 def packed_candidate(forward: ModelForward, setting: str) -> PackedLinears | None:
     """The model's packed layers if `setting` (LookaheadConfig.linears) may use them and any layer packs, else None.
 
-    The engine probes the model with them (the path it will most likely run), then `keep_if_faster` decides 'auto'.
+    The engine probes the model with them (the path it will most likely run), then `packed_from` decides 'auto'.
     """
     if setting not in LINEARS:
         raise ValueError(f"linears must be one of {', '.join(LINEARS)}, got {setting!r}")
@@ -44,31 +48,46 @@ def packed_candidate(forward: ModelForward, setting: str) -> PackedLinears | Non
     return packed_linears(forward.model) or None
 
 
-def keep_if_faster(forward: ModelForward, packed: PackedLinears, widths: Sequence[int]) -> PackedLinears | None:
-    """`packed` if passes of `widths` tokens measured faster with it than with the model's own layers, else None."""
+def packed_from(forward: ModelForward, packed: PackedLinears, widths: Sequence[int]) -> int | None:
+    """The fewest tokens a pass needs for `packed` layers to be faster than the model's own (measured at `widths`,
+    and faster at every wider one measured); None where the model's own win at the widest."""
     key = runtime_key(forward)  # '' for a model without a name: measured every start, as its cost curves are
     name = f"{key}|linears|torch={torch.__version__}|widths={tuple(widths)}" if key else None
     # in this process, with the threads said even where the key is empty
     remembered = f"{key}|threads={torch.get_num_threads()}|widths={tuple(widths)}"
     if remembered not in packed.verdicts:
         packed.verdicts[remembered] = _verdict(forward, packed, widths, name)
-    return packed if packed.verdicts[remembered] else None
+    return packed.verdicts[remembered]
 
 
-def _verdict(forward: ModelForward, packed: PackedLinears, widths: Sequence[int], name: str | None) -> bool:
-    """Whether packed passes are faster: from the cache entry `name`, else measured (and kept there if the machine
-    was quiet; None: not kept)."""
+def _verdict(forward: ModelForward, packed: PackedLinears, widths: Sequence[int], name: str | None) -> int | None:
+    """`packed_from`'s answer: from the cache entry `name`, else measured (and kept there if the machine was quiet;
+    None: not kept)."""
     cached = read_cache(cache_path()).get(name) if name else None
-    if isinstance(cached, dict) and isinstance(cached.get("packed"), bool):
-        return cached["packed"]
+    if isinstance(cached, dict) and "packed_from" in cached:
+        return cached["packed_from"]
     load = OthersLoad()
     times = time_both(forward, packed, widths)
-    faster = sum(times["packed"].values()) < sum(times["model"].values())
+    verdict = first_of_faster(times["packed"], times["model"])
     if name and load.quiet():
         entries = read_cache(cache_path())
-        entries[name] = {"packed": faster, "ms": times, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        entries[name] = {"packed_from": verdict, "ms": times, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         write_cache(cache_path(), entries)
-    return faster
+    return verdict
+
+
+def first_of_faster(packed: dict[int, float], model: dict[int, float]) -> int | None:
+    """The narrowest width from which `packed` is faster at every measured width; None if not at the widest.
+
+    >>> first_of_faster({1: 26.0, 2: 27.0, 4: 27.5, 8: 30.0}, {1: 21.0, 2: 22.0, 4: 33.0, 8: 41.0})
+    4
+    """
+    start = None
+    for width in sorted(packed, reverse=True):
+        if packed[width] >= model[width]:
+            break
+        start = width
+    return start
 
 
 def time_both(
@@ -82,7 +101,8 @@ def time_both(
     the model's layers ("model") and the packed ones ("packed"): widths and kinds taking turns, pass by pass."""
     kinds = {"model": None, "packed": packed}
     times: dict[str, dict[int, list[float]]] = {kind: {width: [] for width in widths} for kind in kinds}
-    chosen = forward.linears
+    chosen = forward.linears, forward.packed_from
+    forward.packed_from = 1
     try:
         with ModelMeter(forward).passes(1, context) as run:
             for _ in range(repeats):
@@ -93,5 +113,5 @@ def time_both(
                         run(width)
                         times[kind][width].append((time.perf_counter() - clock) * 1000)
     finally:
-        forward.linears = chosen
+        forward.linears, forward.packed_from = chosen
     return {kind: {width: round(min(runs), 3) for width, runs in by_width.items()} for kind, by_width in times.items()}

@@ -6,6 +6,10 @@ weights slowly and costs more for 2-3 rows than for 8. oneDNN reads a weight reo
 into its own blocked layout (what torch's compiler does with frozen weights) at about the same
 price for 1 to 16 rows, so a draft of a few tokens costs little more than one token.
 
+bfloat16 weights are packed too where oneDNN computes bfloat16 on this CPU (AVX-512 with BF16,
+or AMX; its own check): torch's bfloat16 `linear` reaches oneDNN as well, but with the weight in
+the model's layout every call.
+
 The model stays as it is: the packed copies live here (they double the memory of the linear
 weights; every engine on a model shares one copy), and each layer is routed to them only within
 the engine's passes (`packed_as`). A weight changed in place or replaced after packing is packed
@@ -50,7 +54,7 @@ class PackedLinear:
 
 
 class PackedLinears:
-    """Packed copies of a model's plain float32 `torch.nn.Linear` layers on the CPU."""
+    """Packed copies of a model's plain `torch.nn.Linear` layers on the CPU (float32, or bfloat16 where supported)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.layers: dict[torch.nn.Linear, PackedLinear] = {
@@ -58,8 +62,9 @@ class PackedLinears:
         }
         self.forwards = {module: functools.partial(layer, module) for module, layer in self.layers.items()}
         """What each layer's `forward` is within the engine's passes (made once, not every pass)."""
-        self.verdicts: dict[str, bool] = {}
-        """Whether packed passes measured faster, by what the measurement depends on (kernels.keep_if_faster)."""
+        self.verdicts: dict[str, int | None] = {}
+        """From how many tokens a pass measured faster packed, by what the measurement depends on
+        (kernels.packed_from; None: never)."""
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -87,15 +92,22 @@ def available() -> bool:
 
 
 def packable(module: torch.nn.Module) -> bool:
-    """A plain Linear (not a subclass: quantized and adapter layers compute otherwise) of float32 CPU weights,
-    whose `forward` is its class's (a library that replaced it, e.g. to offload weights, keeps it)."""
+    """A plain Linear (not a subclass: quantized and adapter layers compute otherwise) of CPU weights in a packable
+    dtype, whose `forward` is its class's (a library that replaced it, e.g. to offload weights, keeps it)."""
     own = vars(module).get("forward")
     routed = own is None or (isinstance(own, functools.partial) and isinstance(own.func, PackedLinear))  # ours
     return type(module) is torch.nn.Linear and _packable_weight(module.weight) and routed
 
 
 def _packable_weight(weight: torch.Tensor) -> bool:
-    return weight.dtype == torch.float32 and weight.device.type == "cpu"
+    return weight.device.type == "cpu" and weight.dtype in packable_dtypes()
+
+
+@functools.cache
+def packable_dtypes() -> frozenset[torch.dtype]:
+    """float32, and bfloat16 where oneDNN says this CPU computes it (else torch would emulate it slowly)."""
+    bfloat16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return frozenset({torch.float32, *([torch.bfloat16] if bfloat16 is not None and bfloat16() else [])})
 
 
 def pack(module: torch.nn.Linear) -> PackedLinear:
