@@ -329,3 +329,15 @@ def test_closed_replay_prices_groups_by_this_machines_curves(tmp_path):
     assert [row["group"] for row in result["results"]] == ["code-edit", "gsm8k", "mixed"]
     assert all(row["plain_s"] > 0 and row["closed"] > 0 and row["open"] > 0 for row in result["results"])
     assert result["command"].startswith("python -m lookahead.bench.closedreplay")
+
+
+def test_every_result_names_the_processor_it_ran_on():
+    from lookahead.bench.report import environment
+
+    machine = environment()["machine"]
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = [
+            line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")
+        ]
+        assert names and machine.endswith(names[0]), "figures move with the processor: say which one"

@@ -24,10 +24,21 @@ def environment() -> dict[str, str]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
+        "machine": f"{platform.machine()}, {_cpu_name() or 'cpu'}",
         "torch_threads": str(torch.get_num_threads()),
         "device": "cuda: " + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
+
+
+def _cpu_name() -> str:
+    """The processor's model name (on Linux `platform.processor()` is empty): figures move with it."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return next(
+        (line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.processor()
+    )
 
 
 def run_record(module: str, args: argparse.Namespace, argv: list[str] | None) -> dict:
