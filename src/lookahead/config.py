@@ -54,9 +54,10 @@ class LookaheadConfig:
     computed them, and draft from them too (drafting/recycled.py; 8 is Token Recycling's). 0, the default: none —
     on the CPUs measured they add tokens per step but no tokens per second (benchmarks/NOTES.md)."""
     linears: str = "auto"
-    """A float32 transformers model on a CPU: 'auto' runs its linear layers from weights packed once for oneDNN
-    where that measured faster on this machine (cached), 'packed' always, 'model' never. The packed copies
-    double the memory the linear weights take."""
+    """A float32 (or, where the CPU computes it, bfloat16) transformers model on a CPU: 'auto' runs its linear layers
+    from weights packed once for oneDNN in the passes wide enough for that to measure faster on this machine
+    (cached), the model's own in narrower ones; 'packed' always, 'model' never. The packed copies double the
+    memory the linear weights take."""
 
     def __post_init__(self) -> None:
         for name in ("decoding_length", "branch_length", "match_length"):

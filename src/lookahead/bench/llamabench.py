@@ -181,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     hf_dtypes = [d for d in args.transformers.split(",") if d]
     if bad := [d for d in hf_dtypes if d not in ("float32", "bfloat16")]:
         raise SystemExit(f"unknown --transformers {','.join(bad)}: choose from float32, bfloat16")
+    if hf_dtypes and "float32" not in weights:
+        raise SystemExit("--transformers runs beside the float32 weights: add float32 to --weights")
     import torch
 
     torch.set_num_threads(args.threads)
@@ -203,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = llama_runs(model.path, args.threads, model.vocabulary.end_ids, args.max_new_tokens)
         runs.update(engine_runs(engines, "llama.cpp", args.max_new_tokens))
         references = dict.fromkeys(runs, REFERENCE)
-        judges = dict.fromkeys(runs, model)  # whose one-token step gives a divergence's margin
+        margin_models = dict.fromkeys(runs, model)  # the model whose reference gives a divergence's margin
         for dtype in hf_dtypes if kind == "float32" else []:
             hf_model, hf_tokenizer = load_model(args.model, dtype)
             hf_engine = LookaheadEngine(hf_model, hf_tokenizer)
@@ -211,16 +213,17 @@ def main(argv: list[str] | None = None) -> int:
             hf_runs = engine_runs((hf_engine, hf_engine), hf_label, args.max_new_tokens)
             runs.update(hf_runs)
             references.update(dict.fromkeys(hf_runs, f"plain (ours, {hf_label})"))
-            judges.update(dict.fromkeys(hf_runs, hf_model))
+            margin_models.update(dict.fromkeys(hf_runs, hf_model))
         samples = one_stream(runs, prompts, ids, lambda text, label=label: say(f"{label}: {text}"))
         rows += summarize_stream(label, samples, prompts, references)
         for (method, number), (tokens, _, _) in samples.items():
             want = samples[references[method], number][0]
             index = first_difference(tokens, want) if method != references[method] else None
             if index is not None and index < len(want):
-                margin = reference_margin(judges[method], ids[number], want, index)
-                divergences.append({"weights": label, "method": method, "prompt": prompts[number].key,
-                                    "position": index, "reference_margin": margin})  # fmt: skip
+                margin = reference_margin(margin_models[method], ids[number], want, index)
+                divergences.append({"weights": label, "method": method, "dataset": prompts[number].dataset,
+                                    "prompt": prompts[number].key, "position": index,
+                                    "reference_margin": margin})  # fmt: skip
         if args.streams > 1:
             run = closed_batches((own_engine(), own_engine()), ids, args.streams, args.max_new_tokens)
             alone = [samples[REFERENCE, n][0] for n in range(len(ids))]
@@ -231,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
                     index = first_difference(output.token_ids, alone[number])
                     if index is not None and index < len(alone[number]):
                         margin = reference_margin(model, ids[number], alone[number], index)
-                        divergences.append({"weights": label, "method": method, "prompt": prompts[number].key,
+                        divergences.append({"weights": label, "method": method,
+                                            "dataset": prompts[number].dataset, "prompt": prompts[number].key,
                                             "position": index, "reference_margin": margin})  # fmt: skip
         for engine in engines:
             engine.model.close()
@@ -245,8 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     tables = [markdown_table(rows, COLUMNS)]
     if batch_rows:
         tables.append(markdown_table(batch_rows, BATCH_COLUMNS))
-    tables.append(markdown_table(divergences, ["weights", "method", "prompt", "position", "reference_margin"])
-                  if divergences else "No divergences from llama.cpp's plain decoding.")  # fmt: skip
+    columns = ["weights", "method", "dataset", "prompt", "position", "reference_margin"]
+    tables.append(
+        markdown_table(divergences, columns) if divergences else "No divergences from any method's reference."
+    )
     text = "\n\n".join(tables)
     (out / "llamabench.md").write_text(text + "\n")
     print(text)

@@ -31,14 +31,18 @@ def environment() -> dict[str, str]:
 
 
 def _cpu_name() -> str:
-    """The processor's model name (on Linux `platform.processor()` is empty): figures move with it."""
+    """The processor's model name and the vector extensions the kernels pick from (on Linux `platform.processor()`
+    is empty; a virtual machine's name may not tell AVX2 from AMX): figures move with them."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return platform.processor()
-    return next(
-        (line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.processor()
-    )
+    fields = dict(line.split(":", 1) for line in lines if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8")
+    extensions = [flag for flag in fields.get("flags", "").split() if flag in wanted]
+    name = fields.get("model name", platform.processor())
+    return f"{name} ({' '.join(extensions)})" if extensions else name
 
 
 def run_record(module: str, args: argparse.Namespace, argv: list[str] | None) -> dict:

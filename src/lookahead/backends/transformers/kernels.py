@@ -53,8 +53,8 @@ def packed_from(forward: ModelForward, packed: PackedLinears, widths: Sequence[i
     and faster at every wider one measured); None where the model's own win at the widest."""
     key = runtime_key(forward)  # '' for a model without a name: measured every start, as its cost curves are
     name = f"{key}|linears|torch={torch.__version__}|widths={tuple(widths)}" if key else None
-    # in this process, with the threads said even where the key is empty
-    remembered = f"{key}|threads={torch.get_num_threads()}|widths={tuple(widths)}"
+    # in this process, with dtype and threads said even where the key is empty (a model may change dtype)
+    remembered = f"{key}|{forward.model.dtype}|threads={torch.get_num_threads()}|widths={tuple(widths)}"
     if remembered not in packed.verdicts:
         packed.verdicts[remembered] = _verdict(forward, packed, widths, name)
     return packed.verdicts[remembered]
@@ -62,13 +62,15 @@ def packed_from(forward: ModelForward, packed: PackedLinears, widths: Sequence[i
 
 def _verdict(forward: ModelForward, packed: PackedLinears, widths: Sequence[int], name: str | None) -> int | None:
     """`packed_from`'s answer: from the cache entry `name`, else measured (and kept there if the machine was quiet;
-    None: not kept)."""
+    with `name` None, not kept). An entry of older code, or not one of `widths` or None, is measured again."""
     cached = read_cache(cache_path()).get(name) if name else None
     if isinstance(cached, dict) and "packed_from" in cached:
-        return cached["packed_from"]
+        width = cached["packed_from"]
+        if width is None or (type(width) is int and width in widths):
+            return width
     load = OthersLoad()
     times = time_both(forward, packed, widths)
-    verdict = first_of_faster(times["packed"], times["model"])
+    verdict = packed_wins_from(times["packed"], times["model"])
     if name and load.quiet():
         entries = read_cache(cache_path())
         entries[name] = {"packed_from": verdict, "ms": times, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -76,11 +78,11 @@ def _verdict(forward: ModelForward, packed: PackedLinears, widths: Sequence[int]
     return verdict
 
 
-def first_of_faster(packed: dict[int, float], model: dict[int, float]) -> int | None:
-    """The narrowest width from which `packed` is faster at every measured width; None if not at the widest.
+def packed_wins_from(packed: dict[int, float], model: dict[int, float]) -> int | None:
+    """The narrowest width from which `packed` is faster at every wider measured width; None if not at the widest.
 
-    >>> first_of_faster({1: 26.0, 2: 27.0, 4: 27.5, 8: 30.0}, {1: 21.0, 2: 22.0, 4: 33.0, 8: 41.0})
-    4
+    A BLAS with a fast one-row path and a slow few-row one loses to packed layers only from some width on; a
+    width packed wins below one it loses does not count (one rule for a range of widths, not a patchwork).
     """
     start = None
     for width in sorted(packed, reverse=True):

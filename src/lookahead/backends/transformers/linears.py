@@ -1,10 +1,11 @@
 """The model's linear layers through oneDNN with their weights packed once, for the engine's passes on a CPU.
 
 torch's float32 `linear` on a CPU calls the BLAS for every product with the weight in its
-stored layout, and for a handful of rows the BLAS takes a small-matrix path that reads the
-weights slowly and costs more for 2-3 rows than for 8. oneDNN reads a weight reordered once
-into its own blocked layout (what torch's compiler does with frozen weights) at about the same
-price for 1 to 16 rows, so a draft of a few tokens costs little more than one token.
+stored layout, and for a handful of rows the BLAS may take a small-matrix path that reads the
+weights slowly (on some CPUs 2-3 rows cost more than 8). oneDNN reads a weight reordered once
+into its own blocked layout (what torch's compiler does with frozen weights) at nearly the same
+price for 1 to 8 rows, so a draft of a few tokens costs little more than one token. Which is
+faster for how many rows depends on the CPU: kernels.py measures it.
 
 bfloat16 weights are packed too where oneDNN computes bfloat16 on this CPU (AVX-512 with BF16,
 or AMX; its own check): torch's bfloat16 `linear` reaches oneDNN as well, but with the weight in
