@@ -27,6 +27,11 @@ def test_a_model_that_takes_tree_masks_probes_as_tree_without_a_warning():
         assert probe_draft_mode(ModelForward(tiny_model("llama"))) == "tree"
 
 
+def test_a_bfloat16_model_that_drafts_is_warned_that_ties_may_break_otherwise():
+    with pytest.warns(UserWarning, match="in bfloat16: .* load the model in float32"):
+        assert probe_draft_mode(ModelForward(tiny_model("llama").to(torch.bfloat16))) == "tree"
+
+
 def _causal_only(forward, calls: list[int]):
     def run(*args, attention_mask=None, **kwargs):
         calls.append(1)

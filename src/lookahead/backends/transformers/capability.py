@@ -3,7 +3,8 @@
 Some architectures derive positions or biases from a 2-D padding mask (OPT, ALiBi models)
 and silently misread a 4-D one. Rather than keep a list of names, we run a tiny tree through
 the model and compare every node's logits with the plain causal computation of its path.
-A model that fails gets single-path drafts (or none), with a warning that says why. Each
+A model that fails gets single-path drafts (or none), with a warning that says why; one in
+bfloat16 or float16 that passes is warned that its ties may still break otherwise. Each
 probe runs once per model (and dtype, device, attention implementation): every later engine
 on the same model reuses the answer, and repeats the warning.
 """
@@ -128,6 +129,15 @@ def probe_draft_mode(forward: ModelForward) -> DraftMode:
     mode, warning = _once(forward, "draft mode", lambda: _draft_mode(forward))
     if warning is not None:
         warnings.warn(warning, stacklevel=3)
+    dtype = forward.model.dtype
+    if mode != "off" and dtype in (torch.bfloat16, torch.float16):
+        name = str(dtype).removeprefix("torch.")
+        warnings.warn(
+            f"{type(forward.model).__name__} in {name}: drafts are verified in wider passes than plain decoding's, "
+            f"which round {name} otherwise, so where its top two logits tie an output may differ from plain "
+            "decoding's; load the model in float32 for output identical to it",
+            stacklevel=3,
+        )
     return mode
 
 
