@@ -39,6 +39,7 @@ SETS = ["code-edit", "humaneval", "gsm8k", "mtbench", "creative"]
 REFERENCE = "llama.cpp plain"
 COLUMNS = ["weights", "dataset", "method", "prompts", "new_tokens", "tokens_per_s", "vs_llama_cpp", "tokens_per_step",
            "identical"]  # fmt: skip
+DIVERGENCE_COLUMNS = ["weights", "method", "dataset", "prompt", "position", "reference_margin"]
 BATCH_COLUMNS = ["weights", "streams", "method", "prompts", "new_tokens", "tokens_per_s", "vs_plain", "tokens_per_step",
                  "identical"]  # fmt: skip
 
@@ -161,6 +162,12 @@ def summarize_batches(weights: str, streams: int, run: dict, alone: list[list[in
     return rows
 
 
+def divergence(weights: str, method: str, prompt: Prompt, position: int, margin: float) -> dict:
+    """One output that differs from its reference: where it first does, and the reference's top-2 margin there."""
+    return {"weights": weights, "method": method, "dataset": prompt.dataset, "prompt": prompt.key,
+            "position": position, "reference_margin": margin}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lookahead.bench.llamabench", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m", help="a bundled model or a .gguf file")
@@ -221,9 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             index = first_difference(tokens, want) if method != references[method] else None
             if index is not None and index < len(want):
                 margin = reference_margin(margin_models[method], ids[number], want, index)
-                divergences.append({"weights": label, "method": method, "dataset": prompts[number].dataset,
-                                    "prompt": prompts[number].key, "position": index,
-                                    "reference_margin": margin})  # fmt: skip
+                divergences.append(divergence(label, method, prompts[number], index, margin))
         if args.streams > 1:
             run = closed_batches((own_engine(), own_engine()), ids, args.streams, args.max_new_tokens)
             alone = [samples[REFERENCE, n][0] for n in range(len(ids))]
@@ -234,9 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                     index = first_difference(output.token_ids, alone[number])
                     if index is not None and index < len(alone[number]):
                         margin = reference_margin(model, ids[number], alone[number], index)
-                        divergences.append({"weights": label, "method": method,
-                                            "dataset": prompts[number].dataset, "prompt": prompts[number].key,
-                                            "position": index, "reference_margin": margin})  # fmt: skip
+                        divergences.append(divergence(label, method, prompts[number], index, margin))
         for engine in engines:
             engine.model.close()
     result = {
@@ -249,9 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     tables = [markdown_table(rows, COLUMNS)]
     if batch_rows:
         tables.append(markdown_table(batch_rows, BATCH_COLUMNS))
-    columns = ["weights", "method", "dataset", "prompt", "position", "reference_margin"]
     tables.append(
-        markdown_table(divergences, columns) if divergences else "No divergences from any method's reference."
+        markdown_table(divergences, DIVERGENCE_COLUMNS)
+        if divergences
+        else "No divergences from any method's reference."
     )
     text = "\n\n".join(tables)
     (out / "llamabench.md").write_text(text + "\n")

@@ -24,13 +24,13 @@ def environment() -> dict[str, str]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "machine": f"{platform.machine()}, {_cpu_name() or 'cpu'}",
+        "machine": f"{platform.machine()}, {_processor() or 'cpu'}",
         "torch_threads": str(torch.get_num_threads()),
         "device": "cuda: " + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
 
 
-def _cpu_name() -> str:
+def _processor() -> str:
     """The processor's model name and the vector extensions the kernels pick from (on Linux `platform.processor()`
     is empty; a virtual machine's name may not tell AVX2 from AMX): figures move with them."""
     try:
