@@ -279,6 +279,7 @@ def test_serving_goes_on_when_the_hub_dies_and_sharing_resumes(served, reference
             return False
 
     _until(renewed, timeout_s=120)  # Serve's controller starts an empty hub
+    _until(lambda: len(_replicas(url)) == 2)  # the new hub hears each replica's metrics a round after it starts
     applied = {name: _metric(url, "lookahead_shared_answers", name, kind="applied") for name in _replicas(url)}
     first, _ = _ask(url, "Write two sentences about autumn leaves.")
     (other,) = set(applied) - {first}

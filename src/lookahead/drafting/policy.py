@@ -269,12 +269,12 @@ class Calibration:
     trie's estimate for that edge (child count / parent count, in RATIO_BINS bins; a recycled
     node's rank among the model's next tokens), by how many tokens of the context the tree's
     root matched (1 to MATCH_BINS) and by whether they continue an accepted draft token (depth
-    2 or more) or start a draft. Replayed benchmark prompts show why all four: in the top ratio
-    bin a continuation copied from the prompt was accepted 93 % of the time, one seen in
-    earlier answers 78 % (and 56-99 % from one data set to another, hence the per-request
-    rates); in one ratio bin, a continuation of more matched tokens is likelier accepted
-    (benchmarks/NOTES.md); a node whose parent was accepted is in a run of copied text, 2-9
-    times likelier accepted than the first node of a draft.
+    2 or more) or start a draft. Replayed benchmark prompts show why all four
+    (benchmarks/NOTES.md): in one ratio bin a continuation copied from the prompt is likelier
+    accepted than one seen in earlier answers, and by how much varies from one data set to
+    another (hence the per-request rates); a continuation of more matched tokens is likelier
+    accepted; a node whose parent was accepted is in a run of copied text, far likelier
+    accepted than the first node of a draft.
 
     A cell's rate is (accepted + weight * prior) / (sent + weight): the engine's calibration
     has the trie's own estimate as prior; a request's (RequestRates) has the engine's rates
