@@ -8,8 +8,9 @@ import torch
 from tiny_models import tiny_model
 
 from lookahead import LookaheadConfig, LookaheadEngine
-from lookahead.backends.transformers.capability import probe_draft_mode
+from lookahead.backends.transformers.capability import probe_draft_mode, settle_rounding
 from lookahead.backends.transformers.forward import ModelForward
+from lookahead.drafting.tree import DraftTree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -27,9 +28,55 @@ def test_a_model_that_takes_tree_masks_probes_as_tree_without_a_warning():
         assert probe_draft_mode(ModelForward(tiny_model("llama"))) == "tree"
 
 
-def test_a_bfloat16_model_that_drafts_is_warned_that_ties_may_break_otherwise():
-    with pytest.warns(UserWarning, match="in bfloat16: .* load the model in float32"):
-        assert probe_draft_mode(ModelForward(tiny_model("llama").to(torch.bfloat16))) == "tree"
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "gpt2", "gpt_neox", "opt", "falcon"])
+def test_a_bfloat16_model_verifies_chains_node_by_node_with_the_bits_of_one_token_steps(family):
+    forward = ModelForward(tiny_model(family).to(torch.bfloat16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mode = probe_draft_mode(forward)
+        assert settle_rounding(forward, mode, 20) == ("chain", 20)
+    assert forward.nodewise
+    prompt, block = [(5 * i + 2) % 97 for i in range(30)], [(3 * i + 1) % 97 for i in range(20)]
+    with torch.inference_mode():
+        cache = forward.new_cache()
+        forward(cache, prompt, 0)
+        steps = torch.cat([forward(cache, [token], len(prompt) + i) for i, token in enumerate(block)])
+        cache.crop(-len(block))
+        chain = forward(cache, block, len(prompt), DraftTree(block[1:], list(range(len(block) - 1))))
+        assert torch.equal(chain, steps)
+        cache.crop(-len(block))
+        forward.nodewise = False  # one attention call for the block: no longer the steps' computation
+        assert not torch.equal(forward(cache, block, len(prompt), DraftTree(block[1:], list(range(19)))), steps)
+
+
+def test_a_float32_model_keeps_its_trees_and_its_widest_block():
+    forward = ModelForward(tiny_model("llama"))
+    assert settle_rounding(forward, "tree", 33) == ("tree", 33)
+    assert not forward.nodewise
+
+
+def test_a_bfloat16_model_with_sliding_windows_keeps_trees_and_is_warned_why():
+    forward = ModelForward(tiny_model("gemma3_text").to(torch.bfloat16))
+    with pytest.warns(UserWarning, match=r"in bfloat16: .*\(node by node attention does not model sliding windows\)"):
+        assert settle_rounding(forward, probe_draft_mode(forward), 33) == ("tree", 33)
+    assert not forward.nodewise
+
+
+def test_a_bfloat16_engine_drafts_chains_no_wider_than_verify_exactly():
+    engine = LookaheadEngine(tiny_model("llama").to(torch.bfloat16), None, LookaheadConfig(policy="fixed"))
+    assert engine.draft_mode == "chain" and not engine.tree_mode
+    assert engine.config.decoding_length == engine.backend.max_draft == 32
+    widths = []  # of the blocks verified (prefills have no tree)
+    rows = engine.backend.forward.rows
+    engine.backend.forward.rows = lambda cache, blocks, trees, *args, **kwargs: (
+        widths.extend(len(block) for block, tree in zip(blocks, trees, strict=True) if tree is not None)
+        or rows(cache, blocks, trees, *args, **kwargs)
+    )
+    prompt = [(7 * i) % 50 + 3 for i in range(40)] * 3
+    plain = engine.generate(prompt, max_new_tokens=40, use_lookahead=False)
+    fast = engine.generate(prompt, max_new_tokens=40)
+    assert fast.token_ids == plain.token_ids
+    assert fast.stats.draft_tokens > 0 and 1 < max(widths) <= 33
 
 
 def _causal_only(forward, calls: list[int]):

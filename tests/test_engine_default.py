@@ -112,3 +112,27 @@ def test_bad_arguments(engine):
         engine.generate([-1, 5], max_new_tokens=4)
     with pytest.raises(ValueError, match="context"):
         engine.generate([1] * 10, max_new_tokens=10**6)
+
+
+def test_bfloat16_lookahead_equals_its_own_plain_decoding_on_real_prompts(greedy_references):
+    """bfloat16 rounds a wide pass otherwise than a one-token step; chains verified node by node do not, alone or
+    in a batch."""
+    from lookahead import load_model
+
+    engine = LookaheadEngine(*load_model(dtype="bfloat16"))
+    assert engine.draft_mode == "chain" and engine.backend.forward.nodewise
+    prompts = [ids for ids, _ in list(greedy_references.values())[: len(BENCHMARK_SETS) * 2]]  # the sets in turn
+    drafted = 0
+    alone = []
+    for index, ids in enumerate(prompts):
+        options = {"temperature": 0.8, "seed": index} if index % 2 else {}
+        plain = engine.generate(ids, max_new_tokens=48, use_lookahead=False, **options)
+        fast = engine.generate(ids, max_new_tokens=48, **options)
+        assert fast.token_ids == plain.token_ids, (index, options)
+        drafted += fast.stats.draft_tokens
+        alone.append(plain.token_ids)
+    assert drafted > 0
+    greedy = alone[::2]  # rows of one batch, every row with its own length, drafting or not: each as it is alone
+    for use_lookahead in (False, True):
+        rows = engine.generate_batch(prompts[::2], 48, max_batch=4, use_lookahead=use_lookahead)
+        assert [row.token_ids for row in rows] == greedy, use_lookahead

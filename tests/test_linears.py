@@ -196,3 +196,20 @@ def test_packed_passes_are_priced_by_their_own_curves():
     unpacked = ModelMeter(forward).key
     forward.linears = PackedLinears(model)
     assert ModelMeter(forward).key == unpacked + "|linears=packed"
+
+
+def test_split_rows_makes_wide_products_in_pieces():
+    model = tiny_model("llama")
+    linears = PackedLinears(model)
+    layer = model.lm_head
+    x = torch.randn(2, 9, layer.in_features)
+    with torch.inference_mode():
+        linears.split_rows(4)
+        with packed_as(linears):
+            split = layer(x)
+        linears.split_rows(None)
+        with packed_as(linears):
+            whole = layer(x)
+            pieces = torch.cat([layer(piece) for piece in x.reshape(-1, x.shape[-1]).split(4)])
+    assert split.shape == whole.shape == (2, 9, layer.out_features)
+    assert torch.equal(split.reshape(-1, layer.out_features), pieces)  # 18 rows: 4 + 4 + 4 + 4 + 2

@@ -111,8 +111,10 @@ class LookaheadEngine:
                 stacklevel=2,
             )
             config = replace(config, recycled=kept)
-        self.config = config
         self.backend = backend = backend_for(model, tokenizer, config)
+        if backend.max_draft < config.decoding_length:  # the runtime verifies no wider block exactly
+            config = replace(config, decoding_length=backend.max_draft)
+        self.config = config
         self.eos_ids = backend.eos_ids
         trie = trie if trie is not None else TokenTrie.from_config(config, self.eos_ids)
         if tokenizer is not None:

@@ -29,6 +29,9 @@ class Backend(Protocol):
     eos_ids: frozenset[int]
     """Tokens a generation ends at, as this runtime's own plain decoding ends."""
     draft_mode: DraftMode
+    max_draft: int
+    """Most draft nodes one pass verifies: LookaheadConfig.decoding_length, or fewer where wider passes would not
+    give plain decoding's tokens."""
     verifier: Verifier
 
     def enable_batching(self) -> bool:

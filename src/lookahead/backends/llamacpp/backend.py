@@ -37,7 +37,8 @@ class LlamaCppBackend:
                 "For exact verification build it with CMAKE_ARGS=-DGGML_LLAMAFILE=OFF (see README)",
                 stacklevel=3,
             )
-        self.verifier = LlamaCppVerifier(model, config.decoding_length, following=config.recycled)
+        self.max_draft = config.decoding_length
+        self.verifier = LlamaCppVerifier(model, self.max_draft, following=config.recycled)
 
     def enable_batching(self) -> bool:
         return True

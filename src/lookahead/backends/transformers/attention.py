@@ -14,12 +14,17 @@ The grouped function is registered in transformers' attention registry under
 GROUPED_SDPA and used for this engine's forward passes only (`ModelForward`); every
 other case is handed to transformers' own SDPA function unchanged. PACKED_SDPA wraps it for
 packed batches (decoding/slab.py), whose queries it unpacks per row around the call.
+
+NODEWISE_SDPA is for a chain verified in bfloat16 or float16 (capability.settle_rounding): one
+call per node over exactly the keys that node's one-token step reads, so each node's attention
+is the very call plain decoding makes, with the same bits; one call for the whole block rounds
+otherwise and can flip a near-tie.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
@@ -30,6 +35,7 @@ from .slab import Packing
 
 GROUPED_SDPA = "lookahead_grouped_sdpa"
 PACKED_SDPA = "lookahead_packed_sdpa"
+NODEWISE_SDPA = "lookahead_nodewise_sdpa"
 
 
 def grouped_sdpa_forward(
@@ -47,6 +53,26 @@ def grouped_sdpa_forward(
     if attention_mask is not None and query.shape[2] > 1 and grouped and _in_place(module, query, kwargs):
         return _torch_sdpa(module, query, key, value, attention_mask, dropout, scaling), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+def nodewise_sdpa_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """A chain appended to the cache (its block's keys last), node by node: node i over the cache and nodes 0..i.
+
+    Each call is a one-token step's, so each node's row is the one plain decoding computes. Only for one
+    sequence's chain: the block's own mask is not read.
+    """
+    width = query.shape[2]
+    past = key.shape[2] - width
+    return _one_by_one(module, query, key, value, [(0, past + i + 1) for i in range(width)], dropout, scaling, kwargs)
 
 
 def packed_sdpa_forward(
@@ -70,6 +96,8 @@ def packed_sdpa_forward(
     if lookahead_packing is None:
         return grouped_sdpa_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     packing = lookahead_packing
+    if packing.nodewise is not None:  # every token on its own, as NODEWISE_SDPA
+        return _one_by_one(module, query, key, value, packing.nodewise, dropout, scaling, kwargs)
     in_place = _in_place(module, query, kwargs)
     sliding = _slides(module, packing, kwargs.get("sliding_window"))
 
@@ -90,6 +118,28 @@ def packed_sdpa_forward(
         seen = attend(nodes, key[row, :, :keys], value[row, :, :keys], draft.window_mask if sliding else draft.mask)
         output[draft.start : draft.start + draft.size] = seen[0]
     return output[None], None
+
+
+def _one_by_one(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    reads: Sequence[tuple[int, int]],
+    dropout: float,
+    scaling: float | None,
+    kwargs: dict,
+) -> tuple[torch.Tensor, None]:
+    """Query token t (of batch row 0) attends alone over the first `keys` columns of batch row `row`, (row, keys) =
+    `reads[t]`: a one-token step's call each (no mask: a one-token step reading its whole cache has none)."""
+    tokens = [
+        grouped_sdpa_forward(
+            module, query[:, :, t : t + 1], key[row : row + 1, :, :keys], value[row : row + 1, :, :keys], None,
+            dropout, scaling, **kwargs,
+        )[0]
+        for t, (row, keys) in enumerate(reads)
+    ]  # fmt: skip
+    return torch.cat(tokens, dim=1), None
 
 
 def _slides(module: torch.nn.Module, packing: Packing, window: int | None) -> bool:
@@ -125,7 +175,11 @@ def _torch_sdpa(module, query, key, value, mask, dropout: float, scaling: float 
     return output.transpose(1, 2)
 
 
-for _name, _function in ((GROUPED_SDPA, grouped_sdpa_forward), (PACKED_SDPA, packed_sdpa_forward)):
+for _name, _function in (
+    (GROUPED_SDPA, grouped_sdpa_forward),
+    (PACKED_SDPA, packed_sdpa_forward),
+    (NODEWISE_SDPA, nodewise_sdpa_forward),
+):
     AttentionInterface.register(_name, _function)
     AttentionMaskInterface.register(_name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])  # the masks SDPA takes
 

@@ -10,7 +10,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ...config import LookaheadConfig
 from ...decoding.backend import DraftMode
 from ...decoding.transcript import eos_ids
-from .capability import check_cached_decoding, probe_batching, probe_draft_mode
+from .capability import check_cached_decoding, low_precision, probe_batching, probe_draft_mode, settle_rounding
 from .costs import ModelMeter
 from .forward import ModelForward
 from .kernels import DRAFT_WIDTHS, packed_candidate, packed_from
@@ -50,15 +50,20 @@ class TransformersBackend:
         self.forward = ModelForward(model)
         self.forward.linears = packed = packed_candidate(self.forward, config.linears)
         check_cached_decoding(self.forward)
-        self.draft_mode: DraftMode = probe_draft_mode(self.forward)
+        self._verifies: DraftMode = probe_draft_mode(self.forward)
+        """What the model verifies within float tolerance (the layouts of batches are probed for it)."""
         if packed is not None and config.linears == "auto":
-            widths = DRAFT_WIDTHS if self.draft_mode != "off" else (1,)
+            widths = DRAFT_WIDTHS if self._verifies != "off" else (1,)
             verdict = packed_from(self.forward, packed, widths)
-            if verdict is None:
+            # low precision rounds each kind of layer its own way: one kind for passes of every width
+            if verdict is None or (verdict > 1 and low_precision(self.forward)):
                 self.forward.linears = None
             else:
                 self.forward.packed_from = verdict
-        self.verifier = ModelVerifier(self.forward, self.draft_mode, config.decoding_length, config.recycled)
+        self.draft_mode: DraftMode
+        self.draft_mode, widest = settle_rounding(self.forward, self._verifies, config.decoding_length + 1)
+        self.max_draft = widest - 1
+        self.verifier = ModelVerifier(self.forward, self.draft_mode, self.max_draft, config.recycled)
         self._batching_lock = threading.Lock()
         self._batching_probed = False
 
@@ -71,7 +76,7 @@ class TransformersBackend:
         with self._batching_lock:
             if not self._batching_probed:
                 self._batching_probed = True
-                self.verifier.layout = probe_batching(self.forward, self.draft_mode)
+                self.verifier.layout = probe_batching(self.forward, self._verifies)
         return self.verifier.layout == "packed"
 
     def meter(self, batched: bool = False) -> ModelMeter:

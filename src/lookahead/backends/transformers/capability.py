@@ -3,14 +3,19 @@
 Some architectures derive positions or biases from a 2-D padding mask (OPT, ALiBi models)
 and silently misread a 4-D one. Rather than keep a list of names, we run a tiny tree through
 the model and compare every node's logits with the plain causal computation of its path.
-A model that fails gets single-path drafts (or none), with a warning that says why; one in
-bfloat16 or float16 that passes is warned that its ties may still break otherwise. Each
-probe runs once per model (and dtype, device, attention implementation): every later engine
-on the same model reuses the answer, and repeats the warning.
+A model that fails gets single-path drafts (or none), with a warning that says why.
+
+Within float tolerance is not enough in bfloat16 or float16: a wider pass rounds otherwise than
+a one-token step, and where the top two logits tie, a draft can flip a token. There the engine
+verifies chains node by node (attention.py: NODEWISE_SDPA) if that gives every node the bits of
+its one-token step, checked the same way, bit for bit; else it keeps its drafts and warns.
+Each probe runs once per model (and dtype, device, attention implementation): every later
+engine on the same model reuses the answer, and repeats the warning.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 import weakref
 from collections.abc import Callable
@@ -34,8 +39,10 @@ _CHAIN = DraftTree(tokens=[11, 13, 14], parents=[0, 1, 2])
 _PREFIX = [5, 6, 7, 8, 9, 10]
 _ROOT = 4
 _NEXT = 15
+_BITS_PREFIX = 24
 
 T = TypeVar("T")
+log = logging.getLogger("lookahead.capability")
 _ANSWERS: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, object]] = weakref.WeakKeyDictionary()
 
 
@@ -129,16 +136,98 @@ def probe_draft_mode(forward: ModelForward) -> DraftMode:
     mode, warning = _once(forward, "draft mode", lambda: _draft_mode(forward))
     if warning is not None:
         warnings.warn(warning, stacklevel=3)
-    dtype = forward.model.dtype
-    if mode != "off" and dtype in (torch.bfloat16, torch.float16):
-        name = str(dtype).removeprefix("torch.")
-        warnings.warn(
-            f"{type(forward.model).__name__} in {name}: drafts are verified in wider passes than plain decoding's, "
-            f"which round {name} otherwise, so where its top two logits tie an output may differ from plain "
-            "decoding's; load the model in float32 for output identical to it",
-            stacklevel=3,
-        )
     return mode
+
+
+def low_precision(forward: ModelForward) -> bool:
+    """bfloat16 or float16: a pass's width changes its rounding enough to flip near-ties."""
+    return forward.model.dtype in (torch.bfloat16, torch.float16)
+
+
+def settle_rounding(forward: ModelForward, mode: DraftMode, widest: int) -> tuple[DraftMode, int]:
+    """What a low-precision model drafts, and the widest block (root and nodes) one pass may verify: chains verified
+    node by node ('chain', `forward.nodewise` set) up to the widest block, of at most `widest`, at which every
+    node still gets the bits of its one-token step; where no chain does, `mode`, warned that near-ties may break.
+    Packed layers whose wider products round otherwise are split into products that do (linears.split_rows).
+    A float32 model, or one that does not draft, keeps `mode` and `widest`."""
+    if mode == "off" or not low_precision(forward):
+        return mode, widest
+    layers = "packed" if forward.linears is not None else "model"
+    question = f"rounding of chains of {widest}, {layers} layers"
+    exact, most_rows, reason = _once(forward, question, lambda: _nodewise_widths(forward, widest))
+    if forward.linears is not None:
+        forward.linears.split_rows(most_rows)
+    forward.nodewise = exact > 1
+    if forward.nodewise:
+        if reason is not None:
+            log.info("%s: drafts are cut to %d tokens: %s", type(forward.model).__name__, exact - 1, reason)
+        return "chain", exact
+    name = str(forward.model.dtype).removeprefix("torch.")
+    warnings.warn(
+        f"{type(forward.model).__name__} in {name}: drafts are verified in wider passes than plain decoding's, "
+        f"which round {name} otherwise ({reason}), so where its top two logits tie an output may differ from "
+        "plain decoding's; load the model in float32 for output identical to it",
+        stacklevel=3,
+    )
+    return mode, widest
+
+
+def _nodewise_widths(forward: ModelForward, widest: int) -> tuple[int, int | None, str | None]:
+    """The widest block up to `widest` that verified node by node rounds as one-token steps do, every narrower one
+    too (1: none does); the most rows the packed layers' products may take for that (None: any); and why the next
+    width does not (None if `widest` does)."""
+    if has_sliding_layers(forward.new_cache()):
+        return 1, None, "node by node attention does not model sliding windows"
+    attention = getattr(forward.config, "_attn_implementation", None)
+    if attention != "sdpa":
+        return 1, None, f"node by node attention runs on SDPA attention, this model's is {attention}"
+    forward.nodewise = True
+    try:
+        exact, reason = _bit_exact_widths(forward, widest)
+        if 1 < exact < widest and forward.linears is not None:  # wider products may be what rounds otherwise
+            forward.linears.split_rows(exact)
+            if _bit_exact_widths(forward, widest, narrowest=exact + 1) == (widest, None):
+                return widest, exact, None
+        return exact, None, reason
+    except Exception as err:  # a model may refuse a pass outright: that too means "not node by node"
+        return 1, None, f"{type(err).__name__}: {err}"
+    finally:
+        forward.nodewise = False
+        if forward.linears is not None:
+            forward.linears.split_rows(None)
+
+
+def _bit_exact_widths(forward: ModelForward, widest: int, narrowest: int = 2) -> tuple[int, str | None]:
+    """`_nodewise_widths` measured: chains of every width from `narrowest` after a prefix, each node's logits against
+    the one-token steps over the same tokens, bit for bit; then the step after keeping half the widest exact chain.
+    The widest exact width (`narrowest` - 1 if none), and why the next one is not (None: `widest` is exact)."""
+    vocab = forward.vocab_size
+    prefix = [(7 * i + 3) % vocab for i in range(_BITS_PREFIX)]
+    tokens = [(11 * i + 5) % vocab for i in range(widest)]
+    with torch.inference_mode():
+        cache = _prefilled(forward, prefix)
+        steps = [forward(cache, [token], len(prefix) + i)[-1] for i, token in enumerate(tokens)]
+        cache.crop(-widest)
+        exact, reason = narrowest - 1, None
+        for width in range(narrowest, widest + 1):
+            got = forward(cache, tokens[:width], len(prefix), _chain(tokens[1:width]))
+            cache.crop(-width)
+            differs = next((index for index in range(width) if not torch.equal(got[index], steps[index])), None)
+            if differs is not None:
+                reason = f"node {differs} of a chain of {width} rounds otherwise than its one-token step"
+                break
+            exact = width
+        if exact > 1:
+            forward(cache, tokens[:exact], len(prefix), _chain(tokens[1:exact]))
+            kept = exact // 2
+            BatchCache(cache, [len(prefix)], [None]).keep([list(range(kept))], exact)
+            if not torch.equal(forward(cache, [tokens[kept]], len(prefix) + kept)[-1], steps[kept]):
+                return 1, f"the step after keeping {kept} of a chain of {exact} rounds otherwise than plain decoding"
+    return exact, reason
+
+
+def _chain(tokens: list[int]) -> DraftTree:
+    return DraftTree(tokens, list(range(len(tokens))))
 
 
 def _draft_mode(forward: ModelForward) -> tuple[DraftMode, str | None]:
@@ -164,30 +253,40 @@ def _prefilled(forward: ModelForward, prefix: list[int]) -> Cache:
     return cache
 
 
-def _batch_mismatch(forward: ModelForward, mode: DraftMode, layout: Layout) -> str | None:
-    """Why two rows of different lengths verified together (in `layout`) differ from each row alone; None if not."""
+def _batch_mismatch(forward: ModelForward, shape: DraftTree, layout: Layout) -> str | None:
+    """Why two rows of different lengths verified together (in `layout`, a draft of `shape` on one) differ from each
+    row alone — in any bit where `forward.nodewise`, else beyond float noise; None if they do not."""
     vocab = forward.vocab_size
-    shape = _TREE if mode == "tree" else _CHAIN
     trees = [DraftTree([t % vocab for t in shape.tokens], shape.parents), DraftTree([_NEXT % vocab], [0])]
     prefixes = [[t % vocab for t in _PREFIX], [t % vocab for t in _PREFIX[:3]]]
     blocks = [[_ROOT % vocab, *tree.tokens] for tree in trees]
+    deepest = [[0, *_ancestors(tree, len(tree))] for tree in trees]
     after = (_NEXT + 1) % vocab
+    tree_masks = not shape.is_chain
     with torch.inference_mode():
         parts = [BatchCache(_prefilled(forward, prefix), [len(prefix)], [row]) for row, prefix in enumerate(prefixes)]
         batch = SlabCache.merge(parts) if layout == "packed" else BatchCache.merge(parts)
-        got = forward.rows(batch.cache, blocks, trees, batch.lengths, tree_masks=mode == "tree")
-        for row, (prefix, block, tree) in enumerate(zip(prefixes, blocks, trees, strict=True)):
-            want = forward(_prefilled(forward, prefix), block, len(prefix), tree)
-            if (gap := _gap(got[row][: len(block)], want)) is not None:
-                return f"row {row} of a batch differs from the same row alone by {gap:.3g}"
-        deepest = [_ancestors(tree, len(tree)) for tree in trees]
-        batch.keep([[0, *path] for path in deepest], max(map(len, blocks)))
-        got = forward.rows(batch.cache, [[after], [after]], [None, None], batch.lengths, tree_masks=mode == "tree")
-        for row, (prefix, block, path) in enumerate(zip(prefixes, blocks, deepest, strict=True)):
-            want = _plain_logits(forward, [*prefix, *(block[i] for i in [0, *path]), after])[-1]
-            if (gap := _gap(got[row][0], want)) is not None:
-                return f"row {row} of a batch after compacting differs from sequential decoding by {gap:.3g}"
+        got = forward.rows(batch.cache, blocks, trees, batch.lengths, tree_masks)
+        batch.keep(deepest, max(map(len, blocks)))
+        got_after = forward.rows(batch.cache, [[after], [after]], [None, None], batch.lengths, tree_masks)
+        for row, (prefix, block, tree, path) in enumerate(zip(prefixes, blocks, trees, deepest, strict=True)):
+            alone = _prefilled(forward, prefix)
+            want = forward(alone, block, len(prefix), tree)
+            if (how := _difference(forward, got[row][: len(block)], want)) is not None:
+                return f"row {row} of a batch differs from the same row alone {how}"
+            BatchCache(alone, [len(prefix)], [row]).keep([path], len(block))
+            want = forward(alone, [after], len(prefix) + len(path))[-1]
+            if (how := _difference(forward, got_after[row][0], want)) is not None:
+                return f"row {row} of a batch after compacting differs from the same row alone {how}"
     return None
+
+
+def _difference(forward: ModelForward, got: torch.Tensor, want: torch.Tensor) -> str | None:
+    """How `got` differs from `want`: in any bit where chains are verified node by node, else beyond float noise."""
+    if forward.nodewise:
+        return None if torch.equal(got, want) else "in its bits"
+    gap = _gap(got, want)
+    return None if gap is None else f"by {gap:.3g}"
 
 
 def probe_batching(forward: ModelForward, mode: DraftMode) -> Layout | None:
@@ -197,7 +296,8 @@ def probe_batching(forward: ModelForward, mode: DraftMode) -> Layout | None:
     not packed); without either, a batch of generations is verified one generation at a
     time: still exact, only slower.
     """
-    layout, warning = _once(forward, f"batching {mode}", lambda: _layout(forward, mode))
+    question = f"batching {mode}{' node by node' if forward.nodewise else ''}"
+    layout, warning = _once(forward, question, lambda: _layout(forward, mode))
     if warning is not None:
         warnings.warn(f"{type(forward.model).__name__}: {warning}", stacklevel=3)
     return layout
@@ -213,13 +313,16 @@ def _layout(forward: ModelForward, mode: DraftMode) -> tuple[Layout | None, str 
     attention = getattr(forward.config, "_attn_implementation", None)
     if attention != "sdpa":  # PACKED_SDPA stands in for SDPA only (attention.attention_as)
         unfit["packed"] = f"packed batches run on SDPA attention, this model's is {attention}"
+    if forward.nodewise:  # the padded layout's rows share one attention call: never a one-token step's bits
+        unfit["padded"] = "rows padded to the widest round otherwise than each row alone"
+    shape = _CHAIN if mode == "chain" or forward.nodewise else _TREE
     reasons = {}
     for layout in ("packed", "padded") if mode == "tree" else ("padded",):
         if layout in unfit:
             reasons[layout] = unfit[layout]
             continue
         try:
-            reasons[layout] = _batch_mismatch(forward, mode, layout)
+            reasons[layout] = _batch_mismatch(forward, shape, layout)
         except Exception as err:  # a model may refuse the layout outright: that too means "not this one"
             reasons[layout] = f"{type(err).__name__}: {err}"
         if reasons[layout] is None:

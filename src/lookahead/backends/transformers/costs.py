@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from ...drafting.tree import DraftTree
 from .capability import Layout
 from .forward import ModelForward
 from .kvcache import BatchCache
@@ -33,6 +34,8 @@ class ModelMeter:
         key = runtime_key(forward)
         if key and forward.linears is not None:
             key += "|linears=packed" if forward.packed_from == 1 else f"|linears=packed-from-{forward.packed_from}"
+        if key and forward.nodewise:
+            key += "|chains=nodewise"
         self.key = key
         self.batch_key = "|packed" if layout == "packed" else ""
         self.max_positions = getattr(forward.config, "max_position_embeddings", None)
@@ -49,7 +52,8 @@ class ModelMeter:
                 cache = SlabCache.merge([BatchCache(cache, [context] * rows, list(range(rows)))])
 
             def run(width: int) -> None:
-                logits = forward.rows(cache, [prefix[:width]] * rows, [None] * rows, [context] * rows, tree_masks)
+                draft = DraftTree(prefix[1:width], list(range(width - 1)))  # a chain: as drafts run (node by node)
+                logits = forward.rows(cache, [prefix[:width]] * rows, [draft] * rows, [context] * rows, tree_masks)
                 [row.argmax(-1).tolist() for row in logits]  # as a step: waits for the device
                 if not packed:
                     cache.crop(-width)  # the context stays the same for every measurement

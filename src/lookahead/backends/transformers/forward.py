@@ -14,7 +14,7 @@ import torch
 from transformers import Cache, PreTrainedModel
 
 from ...drafting.tree import DraftTree
-from .attention import PACKED_SDPA, attention_as, grouped_attention
+from .attention import NODEWISE_SDPA, PACKED_SDPA, attention_as, grouped_attention
 from .kvcache import new_cache
 from .linears import PackedLinears, packed_as
 from .masks import block_inputs, packed_inputs
@@ -39,6 +39,10 @@ class ModelForward:
         """The packed linear layers this engine's passes use instead of the model's (linears.py), or None."""
         self.packed_from = 1
         """Passes of fewer tokens run the model's own layers instead (measured faster there: kernels.packed_from)."""
+        self.nodewise = False
+        """One sequence's draft (a chain) attends node by node, as its one-token steps would (attention.py:
+        NODEWISE_SDPA); set where that makes a low-precision model's drafts round as plain decoding does
+        (capability.settle_rounding)."""
 
     @property
     def vocab_size(self) -> int:
@@ -74,7 +78,12 @@ class ModelForward:
         kwargs[self._cache_keyword] = cache
         if last_only and self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        with self._lock, attention_as(self.model, self.attention), packed_as(self._linears(ids.numel())):
+        attention = self.attention
+        if self.nodewise and len(blocks) == 1 and trees[0] is not None and len(blocks[0]) > 1:
+            if not trees[0].is_chain:
+                raise ValueError("a draft verified node by node must be a chain")
+            attention = NODEWISE_SDPA
+        with self._lock, attention_as(self.model, attention), packed_as(self._linears(ids.numel())):
             logits = self.model(**kwargs).logits
         return logits[:, -1:] if last_only else logits
 
@@ -87,7 +96,7 @@ class ModelForward:
     ) -> list[torch.Tensor]:
         cache.reserve([len(block) for block in blocks])
         ids, positions, packing = packed_inputs(
-            blocks, trees, lengths, self.model.dtype, self.device, cache.window, cache.sliding_layers
+            blocks, trees, lengths, self.model.dtype, self.device, cache.window, cache.sliding_layers, self.nodewise
         )
         mask = packing.root_mask  # what the model's mask preparation passes through; attention reads the packing
         kwargs: dict = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "use_cache": True}

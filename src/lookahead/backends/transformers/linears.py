@@ -18,8 +18,10 @@ again before its next pass; one moved to another dtype or device computes as the
 
 As with the model's own layers, a token's logits in a draft block may differ in the last bits
 from its one-token pass (oneDNN takes another path for a single row of some shapes, and
-attention sums a block otherwise): exactness is of tokens, held against `generate()` by the
-tests, as on every backend.
+attention sums a block otherwise): in float32, exactness is of tokens, held against `generate()`
+by the tests, as on every backend. In bfloat16 a product of up to some number of rows may give
+each row the bits of its one-row product, and a wider one not; `split_rows` then cuts wider
+products into pieces that do (capability.settle_rounding finds the number).
 """
 
 from __future__ import annotations
@@ -45,13 +47,21 @@ class PackedLinear:
     """Where its data was (`module.to()` or `weight.data = ...` move it without a new version)."""
     packed: torch.Tensor
 
-    def __call__(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, module: torch.nn.Linear, x: torch.Tensor, most_rows: int | None = None) -> torch.Tensor:
+        """`module(x)` from the packed weight; with `most_rows`, in products of at most that many rows."""
         weight = module.weight
         if weight is not self.weight or weight._version != self.version or weight.data_ptr() != self.address:
             if not _packable_weight(weight):  # moved to another dtype or device since: the layer computes itself
                 return torch.nn.functional.linear(x, weight, module.bias)
             self.__dict__.update(vars(pack(module)))  # changed since: packed again, before it is used
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, module.bias, "none", [], "")
+        rows = x.reshape(-1, x.shape[-1])
+        if most_rows is None or len(rows) <= most_rows:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, module.bias, "none", [], "")
+        pieces = [
+            torch.ops.mkldnn._linear_pointwise(piece, self.packed, module.bias, "none", [], "")
+            for piece in rows.split(most_rows)
+        ]
+        return torch.cat(pieces).reshape(*x.shape[:-1], -1)
 
 
 class PackedLinears:
@@ -61,14 +71,27 @@ class PackedLinears:
         self.layers: dict[torch.nn.Linear, PackedLinear] = {
             module: pack(module) for module in model.modules() if packable(module)
         }
-        self.forwards = {module: functools.partial(layer, module) for module, layer in self.layers.items()}
+        self.most_rows: int | None = None
+        """Most rows one product takes (`split_rows`); None: any number."""
+        self.forwards: dict[torch.nn.Linear, functools.partial] = {}
         """What each layer's `forward` is within the engine's passes (made once, not every pass)."""
+        self.split_rows(None)
         self.verdicts: dict[str, int | None] = {}
         """From how many tokens a pass measured faster packed, by what the measurement depends on
         (kernels.packed_from; None: never)."""
 
     def __len__(self) -> int:
         return len(self.layers)
+
+    def split_rows(self, most_rows: int | None) -> None:
+        """From now on, products of more than `most_rows` rows are made in pieces of at most that many (None: whole).
+
+        For every engine on the model: it is what this CPU's kernels do with the model's weights.
+        """
+        self.most_rows = most_rows
+        self.forwards = {
+            module: functools.partial(layer, module, most_rows=most_rows) for module, layer in self.layers.items()
+        }
 
 
 _shared: weakref.WeakKeyDictionary[torch.nn.Module, PackedLinears] = weakref.WeakKeyDictionary()

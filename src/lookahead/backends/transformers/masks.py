@@ -100,6 +100,7 @@ def packed_inputs(
     device: torch.device | str,
     window: int | None = None,
     sliding_layers: frozenset[int] = frozenset(),
+    nodewise: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, Packing]:
     """input_ids and position_ids (1, T) of the rows' blocks packed, each after its row's `lengths[b]` entries.
 
@@ -108,6 +109,7 @@ def packed_inputs(
     drafting row's (its nodes see the row's entries, the root and their own ancestors). With
     a sliding `window`, the same masks again for `sliding_layers`, each query seeing only the
     keys fewer than `window` positions before its own (a row's entry at column c has position c).
+    `nodewise` (chains only): every token reads its row's entries up to its own, on its own (Packing.nodewise).
     """
     ids = torch.tensor([[token for block in blocks for token in block]], dtype=torch.long, device=device)
     depths, rows, columns, roots, drafts = [], [], [], [], []
@@ -139,7 +141,12 @@ def packed_inputs(
         window_root_mask = _additive((seen & near).numpy(), dtype, device)[:, None, None]
     as_tensors = (torch.tensor(values, dtype=torch.long, device=device) for values in (rows, columns, roots))
     sliding = sliding_layers if window is not None else frozenset()
-    packing = Packing(*as_tensors, root_mask, tuple(drafts), end, window_root_mask, sliding)
+    alone = None
+    if nodewise:
+        if any(tree is not None and not tree.is_chain for tree in trees):
+            raise ValueError("drafts verified node by node must be chains")
+        alone = tuple((row, column + 1) for row, column in zip(rows, columns, strict=True))
+    packing = Packing(*as_tensors, root_mask, tuple(drafts), end, window_root_mask, sliding, alone)
     return ids, torch.tensor([depths], dtype=torch.long, device=device), packing
 
 
