@@ -275,8 +275,10 @@ def test_the_llama_cpp_benchmark_runs_every_method_and_checks_every_output(tmp_p
     assert "llama.cpp plain" in (out / "llamabench.md").read_text()
 
 
-def test_the_llama_cpp_benchmark_refuses_a_transformers_dtype_it_does_not_compare():
+def test_the_llama_cpp_benchmark_refuses_a_transformers_dtype_it_does_not_compare_or_has_no_weights_for():
     from lookahead.bench import llamabench
 
     with pytest.raises(SystemExit, match="unknown --transformers float16"):
         llamabench.main(["--transformers", "float32,float16"])
+    with pytest.raises(SystemExit, match="bfloat16 runs beside the weights of its type or the float32 weights"):
+        llamabench.main(["--weights", "file", "--transformers", "bfloat16"])

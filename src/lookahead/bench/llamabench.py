@@ -9,7 +9,8 @@ fall on all of them):
 - `plain (ours, llama.cpp)` and `lookahead (llama.cpp)`: this engine on the same file, without and with drafts;
 - with `--transformers` (beside the float32 weights): `plain (ours, transformers)` and `lookahead
   (transformers)`, the engine's other backend on the same weights; `--transformers float32,bfloat16`
-  adds the transformers model in bfloat16 too (its outputs are held to its own plain decoding).
+  adds the transformers model in bfloat16 too (its outputs are held to its own plain decoding),
+  beside the bfloat16 weights where `--weights` has them, else beside the float32 ones.
 
 Then closed batches of `--streams` prompts through `generate_batch` on llama.cpp, plain and lookahead
 alternating group by group. Tokens/s count prefill (the whole call, as a user waits for it). Each
@@ -188,8 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     hf_dtypes = [d for d in args.transformers.split(",") if d]
     if bad := [d for d in hf_dtypes if d not in ("float32", "bfloat16")]:
         raise SystemExit(f"unknown --transformers {','.join(bad)}: choose from float32, bfloat16")
-    if hf_dtypes and "float32" not in weights:
-        raise SystemExit("--transformers runs beside the float32 weights: add float32 to --weights")
+    beside = {dtype: dtype if dtype in weights else "float32" for dtype in hf_dtypes}  # the GGUF it runs beside
+    if missing := [dtype for dtype, kind in beside.items() if kind not in weights]:
+        raise SystemExit(f"--transformers {','.join(missing)} runs beside the weights of its type or the float32 "
+                         "weights: add one to --weights")  # fmt: skip
     import torch
 
     torch.set_num_threads(args.threads)
@@ -213,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         runs.update(engine_runs(engines, "llama.cpp", args.max_new_tokens))
         references = dict.fromkeys(runs, REFERENCE)
         margin_models = dict.fromkeys(runs, model)  # the model whose reference gives a divergence's margin
-        for dtype in hf_dtypes if kind == "float32" else []:
+        for dtype in [dtype for dtype in hf_dtypes if beside[dtype] == kind]:
             hf_model, hf_tokenizer = load_model(args.model, dtype)
             hf_engine = LookaheadEngine(hf_model, hf_tokenizer)
             hf_label = "transformers" if dtype == "float32" else f"transformers {dtype}"
