@@ -44,7 +44,7 @@ class ModelMeter:
     def passes(self, rows: int, context: int) -> Iterator[Callable[[int], None]]:
         forward, tree_masks, packed = self.forward, self.tree_masks, self.layout == "packed"
         vocab = forward.vocab_size
-        prefix = [(100 + 7 * i) % vocab for i in range(context)]
+        prefix = _tokens(context, vocab)
         with torch.inference_mode():
             cache = forward.new_cache()
             forward.rows(cache, [prefix] * rows, [None] * rows, [0] * rows, tree_masks, last_only=True)
@@ -52,10 +52,16 @@ class ModelMeter:
                 cache = SlabCache.merge([BatchCache(cache, [context] * rows, list(range(rows)))])
 
             def run(width: int) -> None:
-                draft = DraftTree(prefix[1:width], list(range(width - 1)))  # a chain: as drafts run (node by node)
-                logits = forward.rows(cache, [prefix[:width]] * rows, [draft] * rows, [context] * rows, tree_masks)
+                block = _tokens(width, vocab)  # as wide as asked, whatever the context's length
+                draft = DraftTree(block[1:], list(range(width - 1)))  # a chain: as drafts run (node by node)
+                logits = forward.rows(cache, [block] * rows, [draft] * rows, [context] * rows, tree_masks)
                 [row.argmax(-1).tolist() for row in logits]  # as a step: waits for the device
                 if not packed:
                     cache.crop(-width)  # the context stays the same for every measurement
 
             yield run
+
+
+def _tokens(count: int, vocab: int) -> list[int]:
+    """`count` token ids spread over the vocabulary: a context or a block to time."""
+    return [(100 + 7 * i) % vocab for i in range(count)]
