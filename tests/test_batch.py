@@ -3,10 +3,12 @@
 import random
 
 import pytest
+import torch
 from conftest import hf_greedy
 from tiny_models import FAMILIES, tiny_model
 
 from lookahead import LookaheadConfig, LookaheadEngine
+from lookahead.backends.transformers.verifier import PROMPT_PIECE
 
 tiny = pytest.mark.usefixtures("one_thread")
 
@@ -160,6 +162,34 @@ def test_a_long_prompt_is_read_in_chunks_while_the_running_rows_keep_stepping(to
         batch.step()
     for generation, ids, n in [(running[0], short[0], 200), (running[1], short[1], 200), (joiner, long, 20)]:
         assert generation.output().token_ids == hf_greedy(engine.model, ids, n)
+
+
+@tiny
+def test_in_bfloat16_a_prompt_joining_a_batch_is_read_in_the_passes_it_is_read_alone(tokenizer):
+    """Its cache then has the bits it has alone, and every row, drafting token by token, equals its plain decoding."""
+    config = LookaheadConfig(policy="fixed", linears="packed")  # packed: a batch's products are made in pieces
+    engine = LookaheadEngine(tiny_model("llama").to(torch.bfloat16), tokenizer, config)
+    assert engine.backend.forward.nodewise
+    short = _prompts(2, seed=9)
+    long = [token for ids in _prompts(16, seed=11) for token in ids]
+    assert PROMPT_PIECE < len(long) < 2 * PROMPT_PIECE
+    alone = [engine.generate(ids, 40, use_lookahead=False).token_ids for ids in [*short, long]]
+    batch = engine.batch(3)
+    batch.prefill_chunk = 40  # a budget that would end a read inside a piece
+    running = [engine.prepare(ids, 40) for ids in short]
+    for generation in running:
+        batch.add(generation)
+    batch.step()
+    joiner = engine.prepare(long, 40)
+    batch.add(joiner)
+    reads = []
+    while joiner.prefilled < len(long):
+        batch.step()
+        reads.append(joiner.prefilled)
+    assert reads == [PROMPT_PIECE, len(long)]
+    while batch:
+        batch.step()
+    assert [generation.output().token_ids for generation in [*running, joiner]] == alone
 
 
 @tiny

@@ -8,6 +8,7 @@ import torch
 from tiny_models import tiny_model
 
 from lookahead import LookaheadConfig, LookaheadEngine
+from lookahead.backends.transformers import capability
 from lookahead.backends.transformers.capability import probe_draft_mode, settle_rounding
 from lookahead.backends.transformers.forward import ModelForward
 from lookahead.drafting.tree import DraftTree
@@ -42,11 +43,33 @@ def test_a_bfloat16_model_verifies_chains_node_by_node_with_the_bits_of_one_toke
         forward(cache, prompt, 0)
         steps = torch.cat([forward(cache, [token], len(prompt) + i) for i, token in enumerate(block)])
         cache.crop(-len(block))
-        chain = forward(cache, block, len(prompt), DraftTree(block[1:], list(range(len(block) - 1))))
+        chain = forward(cache, block, len(prompt), DraftTree.chain(block[1:]))
         assert torch.equal(chain, steps)
         cache.crop(-len(block))
         forward.nodewise = False  # one attention call for the block: no longer the steps' computation
-        assert not torch.equal(forward(cache, block, len(prompt), DraftTree(block[1:], list(range(19)))), steps)
+        assert not torch.equal(forward(cache, block, len(prompt), DraftTree.chain(block[1:])), steps)
+
+
+def test_drafts_are_cut_to_the_widest_chain_verified_exactly_with_a_warning(monkeypatch):
+    monkeypatch.setattr(capability, "_bit_exact_widths", lambda *args, **kwargs: (5, "node 0 of a chain of 6 differs"))
+    with pytest.warns(UserWarning, match=r"drafts are cut to 4 tokens, the most verified exactly \(node 0 of"):
+        engine = LookaheadEngine(tiny_model("llama").to(torch.bfloat16), None, LookaheadConfig(policy="fixed"))
+    assert engine.config.decoding_length == engine.backend.max_draft == 4
+    widths = _verified_widths(engine)
+    prompt = [(7 * i) % 50 + 3 for i in range(40)] * 3
+    assert engine.generate(prompt, 40).token_ids == engine.generate(prompt, 40, use_lookahead=False).token_ids
+    assert 1 < max(widths) <= 5
+
+
+def _verified_widths(engine: LookaheadEngine) -> list[int]:
+    """Widths of the blocks the engine verifies from now on (prefills, which have no tree, not counted)."""
+    widths: list[int] = []
+    rows = engine.backend.forward.rows
+    engine.backend.forward.rows = lambda cache, blocks, trees, *args, **kwargs: (
+        widths.extend(len(block) for block, tree in zip(blocks, trees, strict=True) if tree is not None)
+        or rows(cache, blocks, trees, *args, **kwargs)
+    )
+    return widths
 
 
 def test_a_float32_model_keeps_its_trees_and_its_widest_block():
@@ -66,12 +89,7 @@ def test_a_bfloat16_engine_drafts_chains_no_wider_than_verify_exactly():
     engine = LookaheadEngine(tiny_model("llama").to(torch.bfloat16), None, LookaheadConfig(policy="fixed"))
     assert engine.draft_mode == "chain" and not engine.tree_mode
     assert engine.config.decoding_length == engine.backend.max_draft == 32
-    widths = []  # of the blocks verified (prefills have no tree)
-    rows = engine.backend.forward.rows
-    engine.backend.forward.rows = lambda cache, blocks, trees, *args, **kwargs: (
-        widths.extend(len(block) for block, tree in zip(blocks, trees, strict=True) if tree is not None)
-        or rows(cache, blocks, trees, *args, **kwargs)
-    )
+    widths = _verified_widths(engine)
     prompt = [(7 * i) % 50 + 3 for i in range(40)] * 3
     plain = engine.generate(prompt, max_new_tokens=40, use_lookahead=False)
     fast = engine.generate(prompt, max_new_tokens=40)

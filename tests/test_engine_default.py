@@ -136,3 +136,6 @@ def test_bfloat16_lookahead_equals_its_own_plain_decoding_on_real_prompts(greedy
     for use_lookahead in (False, True):
         rows = engine.generate_batch(prompts[::2], 48, max_batch=4, use_lookahead=use_lookahead)
         assert [row.token_ids for row in rows] == greedy, use_lookahead
+    narrow = LookaheadEngine(engine.model, engine.tokenizer, LookaheadConfig(decoding_length=16))
+    assert narrow.backend.forward.most_rows <= 17  # a batch's products no wider than the chains checked
+    assert [row.token_ids for row in narrow.generate_batch(prompts[::2], 48, max_batch=4)] == greedy

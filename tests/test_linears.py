@@ -157,8 +157,9 @@ def test_a_pass_narrower_than_packed_from_runs_the_models_own_layers():
     forward = ModelForward(model)
     forward.linears, forward.packed_from = PackedLinears(model), 3
     routed = []
-    real = forward.linears.forwards
-    forward.linears.forwards = {m: (lambda x, f=f: routed.append(x.shape[-2]) or f(x)) for m, f in real.items()}
+    real = forward.linears.forwards()
+    spied = {m: (lambda x, f=f: routed.append(x.shape[-2]) or f(x)) for m, f in real.items()}
+    forward.linears.forwards = lambda most_rows=None: spied
     with torch.inference_mode():
         cache = forward.new_cache()
         forward(cache, [5, 9, 17, 33], 0)  # prefill of 4 tokens: packed
@@ -198,18 +199,22 @@ def test_packed_passes_are_priced_by_their_own_curves():
     assert ModelMeter(forward).key == unpacked + "|linears=packed"
 
 
-def test_split_rows_makes_wide_products_in_pieces():
+def test_products_wider_than_most_rows_are_made_in_pieces(monkeypatch):
     model = tiny_model("llama")
     linears = PackedLinears(model)
     layer = model.lm_head
     x = torch.randn(2, 9, layer.in_features)
+    rows = []
+    product = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *args: rows.append(x.numel() // x.shape[-1])
+                        or product(x, *args))  # fmt: skip
     with torch.inference_mode():
-        linears.split_rows(4)
-        with packed_as(linears):
+        with packed_as(linears, most_rows=4):
             split = layer(x)
-        linears.split_rows(None)
-        with packed_as(linears):
+        assert rows == [4, 4, 4, 4, 2]  # 18 rows
+        rows.clear()
+        with packed_as(linears, most_rows=18):
             whole = layer(x)
-            pieces = torch.cat([layer(piece) for piece in x.reshape(-1, x.shape[-1]).split(4)])
+        assert rows == [18]
     assert split.shape == whole.shape == (2, 9, layer.out_features)
-    assert torch.equal(split.reshape(-1, layer.out_features), pieces)  # 18 rows: 4 + 4 + 4 + 4 + 2
+    assert torch.allclose(split, whole, atol=1e-5)

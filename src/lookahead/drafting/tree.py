@@ -43,6 +43,11 @@ class DraftTree:
             if not 0 <= parent <= i:
                 raise ValueError(f"node {i} has parent {parent}: parents must come first")
 
+    @classmethod
+    def chain(cls, tokens: Sequence[int]) -> DraftTree:
+        """A single path: each token under the one before it, the first under the root."""
+        return cls(list(tokens), list(range(len(tokens))))
+
     def __len__(self) -> int:
         return len(self.tokens)
 

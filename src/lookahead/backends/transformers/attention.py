@@ -96,8 +96,8 @@ def packed_sdpa_forward(
     if lookahead_packing is None:
         return grouped_sdpa_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     packing = lookahead_packing
-    if packing.nodewise is not None:  # every token on its own, as NODEWISE_SDPA
-        return _one_by_one(module, query, key, value, packing.nodewise, dropout, scaling, kwargs)
+    if packing.token_reads is not None:  # every token on its own, as NODEWISE_SDPA
+        return _one_by_one(module, query, key, value, packing.token_reads, dropout, scaling, kwargs)
     in_place = _in_place(module, query, kwargs)
     sliding = _slides(module, packing, kwargs.get("sliding_window"))
 
@@ -132,6 +132,8 @@ def _one_by_one(
 ) -> tuple[torch.Tensor, None]:
     """Query token t (of batch row 0) attends alone over the first `keys` columns of batch row `row`, (row, keys) =
     `reads[t]`: a one-token step's call each (no mask: a one-token step reading its whole cache has none)."""
+    if kwargs.get("sliding_window") is not None:
+        raise RuntimeError("a sliding-window layer cannot attend token by token: its window is in the masks")
     tokens = [
         grouped_sdpa_forward(
             module, query[:, :, t : t + 1], key[row : row + 1, :, :keys], value[row : row + 1, :, :keys], None,

@@ -50,10 +50,11 @@ class TransformersBackend:
         self.forward = ModelForward(model)
         self.forward.linears = packed = packed_candidate(self.forward, config.linears)
         check_cached_decoding(self.forward)
-        self._verifies: DraftMode = probe_draft_mode(self.forward)
-        """What the model verifies within float tolerance (the layouts of batches are probed for it)."""
+        self._tolerant_mode: DraftMode = probe_draft_mode(self.forward)
+        """What the model verifies within float tolerance, before low precision asks for bits (batches' layouts are
+        probed for it)."""
         if packed is not None and config.linears == "auto":
-            widths = DRAFT_WIDTHS if self._verifies != "off" else (1,)
+            widths = DRAFT_WIDTHS if self._tolerant_mode != "off" else (1,)
             verdict = packed_from(self.forward, packed, widths)
             # low precision rounds each kind of layer its own way: one kind for passes of every width
             if verdict is None or (verdict > 1 and low_precision(self.forward)):
@@ -61,7 +62,7 @@ class TransformersBackend:
             else:
                 self.forward.packed_from = verdict
         self.draft_mode: DraftMode
-        self.draft_mode, widest = settle_rounding(self.forward, self._verifies, config.decoding_length + 1)
+        self.draft_mode, widest = settle_rounding(self.forward, self._tolerant_mode, config.decoding_length + 1)
         self.max_draft = widest - 1
         self.verifier = ModelVerifier(self.forward, self.draft_mode, self.max_draft, config.recycled)
         self._batching_lock = threading.Lock()
@@ -76,7 +77,7 @@ class TransformersBackend:
         with self._batching_lock:
             if not self._batching_probed:
                 self._batching_probed = True
-                self.verifier.layout = probe_batching(self.forward, self._verifies)
+                self.verifier.layout = probe_batching(self.forward, self._tolerant_mode)
         return self.verifier.layout == "packed"
 
     def meter(self, batched: bool = False) -> ModelMeter:

@@ -8,14 +8,16 @@ A model that fails gets single-path drafts (or none), with a warning that says w
 Within float tolerance is not enough in bfloat16 or float16: a wider pass rounds otherwise than
 a one-token step, and where the top two logits tie, a draft can flip a token. There the engine
 verifies chains node by node (attention.py: NODEWISE_SDPA) if that gives every node the bits of
-its one-token step, checked the same way, bit for bit; else it keeps its drafts and warns.
+its one-token step, checked the same way, bit for bit, at every width it may send; the products
+of a batch's wider passes are made in pieces no wider than that (linears.packed_as), and prompts
+are read in the same passes alone or in a batch (verifier.PROMPT_PIECE). Else it keeps its
+drafts and warns.
 Each probe runs once per model (and dtype, device, attention implementation): every later
 engine on the same model reuses the answer, and repeats the warning.
 """
 
 from __future__ import annotations
 
-import logging
 import warnings
 import weakref
 from collections.abc import Callable
@@ -42,7 +44,6 @@ _NEXT = 15
 _BITS_PREFIX = 24
 
 T = TypeVar("T")
-log = logging.getLogger("lookahead.capability")
 _ANSWERS: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, object]] = weakref.WeakKeyDictionary()
 
 
@@ -148,25 +149,26 @@ def settle_rounding(forward: ModelForward, mode: DraftMode, widest: int) -> tupl
     """What a low-precision model drafts, and the widest block (root and nodes) one pass may verify: chains verified
     node by node ('chain', `forward.nodewise` set) up to the widest block, of at most `widest`, at which every
     node still gets the bits of its one-token step; where no chain does, `mode`, warned that near-ties may break.
-    Packed layers whose wider products round otherwise are split into products that do (linears.split_rows).
-    A float32 model, or one that does not draft, keeps `mode` and `widest`."""
+    Packed products of verification passes are then made in pieces no wider than what was checked
+    (`forward.most_rows`). A float32 model, or one that does not draft, keeps `mode` and `widest`."""
     if mode == "off" or not low_precision(forward):
         return mode, widest
-    layers = "packed" if forward.linears is not None else "model"
-    question = f"rounding of chains of {widest}, {layers} layers"
+    layers = "packed" if forward.linears is not None else "model's"
+    question = f"rounding of chains of {widest}, {layers} layers, {torch.get_num_threads()} threads"
     exact, most_rows, reason = _once(forward, question, lambda: _nodewise_widths(forward, widest))
-    if forward.linears is not None:
-        forward.linears.split_rows(most_rows)
+    name = type(forward.model).__name__
     forward.nodewise = exact > 1
+    forward.most_rows = most_rows if forward.nodewise else None
     if forward.nodewise:
-        if reason is not None:
-            log.info("%s: drafts are cut to %d tokens: %s", type(forward.model).__name__, exact - 1, reason)
+        if exact < widest:
+            warnings.warn(f"{name}: drafts are cut to {exact - 1} tokens, the most verified exactly ({reason})",
+                          stacklevel=3)  # fmt: skip
         return "chain", exact
-    name = str(forward.model.dtype).removeprefix("torch.")
+    dtype = str(forward.model.dtype).removeprefix("torch.")
     warnings.warn(
-        f"{type(forward.model).__name__} in {name}: drafts are verified in wider passes than plain decoding's, "
-        f"which round {name} otherwise ({reason}), so where its top two logits tie an output may differ from "
-        "plain decoding's; load the model in float32 for output identical to it",
+        f"{name} in {dtype}: drafts are verified in wider passes than plain decoding's, which round {dtype} "
+        f"otherwise ({reason}), so where its top two logits tie an output may differ from plain decoding's; load "
+        "the model in float32 for output identical to it",
         stacklevel=3,
     )
     return mode, widest
@@ -174,27 +176,27 @@ def settle_rounding(forward: ModelForward, mode: DraftMode, widest: int) -> tupl
 
 def _nodewise_widths(forward: ModelForward, widest: int) -> tuple[int, int | None, str | None]:
     """The widest block up to `widest` that verified node by node rounds as one-token steps do, every narrower one
-    too (1: none does); the most rows the packed layers' products may take for that (None: any); and why the next
-    width does not (None if `widest` does)."""
+    too (1: none does); the most rows a packed product may take for that (None: the model's own layers, which
+    cannot be split); and why the next width does not (None if `widest` does)."""
     if has_sliding_layers(forward.new_cache()):
         return 1, None, "node by node attention does not model sliding windows"
     attention = getattr(forward.config, "_attn_implementation", None)
     if attention != "sdpa":
         return 1, None, f"node by node attention runs on SDPA attention, this model's is {attention}"
-    forward.nodewise = True
+    chosen = forward.nodewise, forward.most_rows
+    forward.nodewise, forward.most_rows = True, None
     try:
         exact, reason = _bit_exact_widths(forward, widest)
-        if 1 < exact < widest and forward.linears is not None:  # wider products may be what rounds otherwise
-            forward.linears.split_rows(exact)
-            if _bit_exact_widths(forward, widest, narrowest=exact + 1) == (widest, None):
-                return widest, exact, None
-        return exact, None, reason
+        if forward.linears is None or exact == 1:
+            return exact, None, reason
+        forward.most_rows = exact  # a wider pass in products no wider than the widest exact one
+        if exact < widest and _bit_exact_widths(forward, widest, narrowest=exact + 1) == (widest, None):
+            return widest, exact, None
+        return exact, exact, reason
     except Exception as err:  # a model may refuse a pass outright: that too means "not node by node"
         return 1, None, f"{type(err).__name__}: {err}"
     finally:
-        forward.nodewise = False
-        if forward.linears is not None:
-            forward.linears.split_rows(None)
+        forward.nodewise, forward.most_rows = chosen
 
 
 def _bit_exact_widths(forward: ModelForward, widest: int, narrowest: int = 2) -> tuple[int, str | None]:
@@ -210,7 +212,7 @@ def _bit_exact_widths(forward: ModelForward, widest: int, narrowest: int = 2) ->
         cache.crop(-widest)
         exact, reason = narrowest - 1, None
         for width in range(narrowest, widest + 1):
-            got = forward(cache, tokens[:width], len(prefix), _chain(tokens[1:width]))
+            got = forward(cache, tokens[:width], len(prefix), DraftTree.chain(tokens[1:width]))
             cache.crop(-width)
             differs = next((index for index in range(width) if not torch.equal(got[index], steps[index])), None)
             if differs is not None:
@@ -218,16 +220,12 @@ def _bit_exact_widths(forward: ModelForward, widest: int, narrowest: int = 2) ->
                 break
             exact = width
         if exact > 1:
-            forward(cache, tokens[:exact], len(prefix), _chain(tokens[1:exact]))
+            forward(cache, tokens[:exact], len(prefix), DraftTree.chain(tokens[1:exact]))
             kept = exact // 2
             BatchCache(cache, [len(prefix)], [None]).keep([list(range(kept))], exact)
             if not torch.equal(forward(cache, [tokens[kept]], len(prefix) + kept)[-1], steps[kept]):
                 return 1, f"the step after keeping {kept} of a chain of {exact} rounds otherwise than plain decoding"
     return exact, reason
-
-
-def _chain(tokens: list[int]) -> DraftTree:
-    return DraftTree(tokens, list(range(len(tokens))))
 
 
 def _draft_mode(forward: ModelForward) -> tuple[DraftMode, str | None]:
@@ -296,7 +294,9 @@ def probe_batching(forward: ModelForward, mode: DraftMode) -> Layout | None:
     not packed); without either, a batch of generations is verified one generation at a
     time: still exact, only slower.
     """
-    question = f"batching {mode}{' node by node' if forward.nodewise else ''}"
+    question = f"batching {mode}"
+    if forward.nodewise:  # then compared bit for bit, with these pieces
+        question += f" node by node, products of {forward.most_rows} rows, {torch.get_num_threads()} threads"
     layout, warning = _once(forward, question, lambda: _layout(forward, mode))
     if warning is not None:
         warnings.warn(f"{type(forward.model).__name__}: {warning}", stacklevel=3)
@@ -315,6 +315,10 @@ def _layout(forward: ModelForward, mode: DraftMode) -> tuple[Layout | None, str 
         unfit["packed"] = f"packed batches run on SDPA attention, this model's is {attention}"
     if forward.nodewise:  # the padded layout's rows share one attention call: never a one-token step's bits
         unfit["padded"] = "rows padded to the widest round otherwise than each row alone"
+        if forward.most_rows is None:
+            unfit["packed"] = (
+                "the model's own linear layers cannot make a batch's products in pieces that round as one row's"
+            )
     shape = _CHAIN if mode == "chain" or forward.nodewise else _TREE
     reasons = {}
     for layout in ("packed", "padded") if mode == "tree" else ("padded",):

@@ -35,7 +35,7 @@ class ModelMeter:
         if key and forward.linears is not None:
             key += "|linears=packed" if forward.packed_from == 1 else f"|linears=packed-from-{forward.packed_from}"
         if key and forward.nodewise:
-            key += "|chains=nodewise"
+            key += f"|chains=nodewise|rows<={forward.most_rows}"
         self.key = key
         self.batch_key = "|packed" if layout == "packed" else ""
         self.max_positions = getattr(forward.config, "max_position_embeddings", None)
@@ -53,7 +53,7 @@ class ModelMeter:
 
             def run(width: int) -> None:
                 block = _tokens(width, vocab)  # as wide as asked, whatever the context's length
-                draft = DraftTree(block[1:], list(range(width - 1)))  # a chain: as drafts run (node by node)
+                draft = DraftTree.chain(block[1:])  # as drafts run (node by node, where they do)
                 logits = forward.rows(cache, [block] * rows, [draft] * rows, [context] * rows, tree_masks)
                 [row.argmax(-1).tolist() for row in logits]  # as a step: waits for the device
                 if not packed:

@@ -40,9 +40,12 @@ class ModelForward:
         self.packed_from = 1
         """Passes of fewer tokens run the model's own layers instead (measured faster there: kernels.packed_from)."""
         self.nodewise = False
-        """One sequence's draft (a chain) attends node by node, as its one-token steps would (attention.py:
-        NODEWISE_SDPA); set where that makes a low-precision model's drafts round as plain decoding does
-        (capability.settle_rounding)."""
+        """Verification passes attend token by token, as one-token steps would (attention.py: NODEWISE_SDPA; a
+        packed batch's `Packing.token_reads`); set where that makes a low-precision model's drafts round as plain
+        decoding does (capability.settle_rounding)."""
+        self.most_rows: int | None = None
+        """Most rows a packed product of a verification pass takes, more made in pieces (linears.packed_as): where
+        wider products round a row otherwise (capability.settle_rounding); None: any."""
 
     @property
     def vocab_size(self) -> int:
@@ -79,11 +82,14 @@ class ModelForward:
         if last_only and self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = 1
         attention = self.attention
-        if self.nodewise and len(blocks) == 1 and trees[0] is not None and len(blocks[0]) > 1:
+        if self.nodewise and any(tree is not None for tree in trees) and ids.numel() > 1:
+            if len(blocks) > 1:
+                raise ValueError("rows padded into one pass cannot attend token by token: verify them packed")
             if not trees[0].is_chain:
-                raise ValueError("a draft verified node by node must be a chain")
+                raise ValueError("drafts verified token by token must be chains")
             attention = NODEWISE_SDPA
-        with self._lock, attention_as(self.model, attention), packed_as(self._linears(ids.numel())):
+        linears = self._linears(ids.numel())
+        with self._lock, attention_as(self.model, attention), packed_as(linears, self._most_rows(trees)):
             logits = self.model(**kwargs).logits
         return logits[:, -1:] if last_only else logits
 
@@ -103,11 +109,17 @@ class ModelForward:
         kwargs[self._cache_keyword] = cache
         cache.packing = packing
         try:
-            with self._lock, attention_as(self.model, PACKED_SDPA), packed_as(self._linears(ids.numel())):
+            linears = self._linears(ids.numel())
+            with self._lock, attention_as(self.model, PACKED_SDPA), packed_as(linears, self._most_rows(trees)):
                 logits = self.model(**kwargs, lookahead_packing=packing).logits[0]
         finally:
             cache.packing = None
         return list(logits.split([len(block) for block in blocks]))
+
+    def _most_rows(self, trees: Sequence[DraftTree | None]) -> int | None:
+        """`most_rows` for a verification pass (some row has a tree); None for a prompt's, which reads the same
+        pieces alone or in a batch (ModelVerifier.prefill) and so rounds the same either way."""
+        return self.most_rows if any(tree is not None for tree in trees) else None
 
     def _linears(self, tokens: int) -> PackedLinears | None:
         """The packed layers for a pass of `tokens` (every row's, padding included), or None for the model's own."""

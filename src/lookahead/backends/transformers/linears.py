@@ -20,8 +20,8 @@ As with the model's own layers, a token's logits in a draft block may differ in 
 from its one-token pass (oneDNN takes another path for a single row of some shapes, and
 attention sums a block otherwise): in float32, exactness is of tokens, held against `generate()`
 by the tests, as on every backend. In bfloat16 a product of up to some number of rows may give
-each row the bits of its one-row product, and a wider one not; `split_rows` then cuts wider
-products into pieces that do (capability.settle_rounding finds the number).
+each row the bits of its one-row product, and a wider one not; `packed_as` then makes wider
+products in pieces that do (capability.settle_rounding finds the number).
 """
 
 from __future__ import annotations
@@ -71,11 +71,7 @@ class PackedLinears:
         self.layers: dict[torch.nn.Linear, PackedLinear] = {
             module: pack(module) for module in model.modules() if packable(module)
         }
-        self.most_rows: int | None = None
-        """Most rows one product takes (`split_rows`); None: any number."""
-        self.forwards: dict[torch.nn.Linear, functools.partial] = {}
-        """What each layer's `forward` is within the engine's passes (made once, not every pass)."""
-        self.split_rows(None)
+        self._forwards: dict[int | None, dict[torch.nn.Linear, functools.partial]] = {}
         self.verdicts: dict[str, int | None] = {}
         """From how many tokens a pass measured faster packed, by what the measurement depends on
         (kernels.packed_from; None: never)."""
@@ -83,15 +79,14 @@ class PackedLinears:
     def __len__(self) -> int:
         return len(self.layers)
 
-    def split_rows(self, most_rows: int | None) -> None:
-        """From now on, products of more than `most_rows` rows are made in pieces of at most that many (None: whole).
-
-        For every engine on the model: it is what this CPU's kernels do with the model's weights.
-        """
-        self.most_rows = most_rows
-        self.forwards = {
-            module: functools.partial(layer, module, most_rows=most_rows) for module, layer in self.layers.items()
-        }
+    def forwards(self, most_rows: int | None = None) -> dict[torch.nn.Linear, functools.partial]:
+        """What each layer's `forward` is within a pass whose products take at most `most_rows` rows (None: any);
+        made once for each number, not every pass."""
+        if most_rows not in self._forwards:
+            self._forwards[most_rows] = {
+                module: functools.partial(layer, module, most_rows=most_rows) for module, layer in self.layers.items()
+            }
+        return self._forwards[most_rows]
 
 
 _shared: weakref.WeakKeyDictionary[torch.nn.Module, PackedLinears] = weakref.WeakKeyDictionary()
@@ -142,12 +137,13 @@ def pack(module: torch.nn.Linear) -> PackedLinear:
 
 
 @contextlib.contextmanager
-def packed_as(linears: PackedLinears | None) -> Iterator[None]:
-    """Within: each packed layer computes with its packed weight; None changes nothing."""
+def packed_as(linears: PackedLinears | None, most_rows: int | None = None) -> Iterator[None]:
+    """Within: each packed layer computes with its packed weight, in products of at most `most_rows` rows (None:
+    whole); `linears` None changes nothing."""
     if linears is None:
         yield
         return
-    for module, forward in linears.forwards.items():
+    for module, forward in linears.forwards(most_rows).items():
         module.forward = forward
     try:
         yield

@@ -109,7 +109,7 @@ def packed_inputs(
     drafting row's (its nodes see the row's entries, the root and their own ancestors). With
     a sliding `window`, the same masks again for `sliding_layers`, each query seeing only the
     keys fewer than `window` positions before its own (a row's entry at column c has position c).
-    `nodewise` (chains only): every token reads its row's entries up to its own, on its own (Packing.nodewise).
+    `nodewise` (chains only): every token reads its row's entries up to its own, on its own (Packing.token_reads).
     """
     ids = torch.tensor([[token for block in blocks for token in block]], dtype=torch.long, device=device)
     depths, rows, columns, roots, drafts = [], [], [], [], []
@@ -141,12 +141,12 @@ def packed_inputs(
         window_root_mask = _additive((seen & near).numpy(), dtype, device)[:, None, None]
     as_tensors = (torch.tensor(values, dtype=torch.long, device=device) for values in (rows, columns, roots))
     sliding = sliding_layers if window is not None else frozenset()
-    alone = None
+    reads = None
     if nodewise:
         if any(tree is not None and not tree.is_chain for tree in trees):
-            raise ValueError("drafts verified node by node must be chains")
-        alone = tuple((row, column + 1) for row, column in zip(rows, columns, strict=True))
-    packing = Packing(*as_tensors, root_mask, tuple(drafts), end, window_root_mask, sliding, alone)
+            raise ValueError("drafts verified token by token must be chains")
+        reads = tuple((row, column + 1) for row, column in zip(rows, columns, strict=True))
+    packing = Packing(*as_tensors, root_mask, tuple(drafts), end, window_root_mask, sliding, reads)
     return ids, torch.tensor([depths], dtype=torch.long, device=device), packing
 
 

@@ -73,7 +73,7 @@ class Packing(NamedTuple):
     """`root_mask` within the sliding window of each root's position, for sliding layers; None: no layer slides."""
     sliding_layers: frozenset[int] = frozenset()
     """Indices of the layers whose attention reads the window masks."""
-    nodewise: tuple[tuple[int, int], ...] | None = None
+    token_reads: tuple[tuple[int, int], ...] | None = None
     """Where every token attends on its own, as its one-token step would (rows of chains in bfloat16: attention.py):
     (row, keys) per packed token, the row's first `keys` columns; None: roots and drafts attend as above."""
 

@@ -31,6 +31,8 @@ from .kvcache import BatchCache
 from .slab import SlabCache
 
 RowCache = BatchCache | SlabCache
+PROMPT_PIECE = 256
+"""Where a low-precision model's prompt passes start and end (multiples of it), alone or in a batch."""
 
 
 class ModelVerifier:
@@ -99,12 +101,23 @@ class ModelVerifier:
                 kept = self._caches.get(generation)
                 cache = kept.cache if kept is not None else self.forward.new_cache()
                 read, prompt = generation.prefilled, generation.prompt
-                logits = self.forward(cache, prompt[read : read + count], read, last_only=True)[-1:]
-                generation.prefilled = read = min(read + count, len(prompt))
+                for start, end in self._prompt_pieces(read, count, len(prompt)):
+                    logits = self.forward(cache, prompt[start:end], start, last_only=True)[-1:]
+                generation.prefilled = read = end
                 self._caches[generation] = BatchCache(cache, [read], [generation])
                 firsts.append(node_choice(generation, logits, prompt)(0, []) if read == len(prompt) else None)
                 generation.stats.prefill_s += time.perf_counter() - clock
         return firsts
+
+    def _prompt_pieces(self, read: int, count: int, length: int) -> list[tuple[int, int]]:
+        """The passes that read `count` more of a `length`-token prompt after `read`: one, or where the model
+        verifies token by token (low precision), pieces from multiples of PROMPT_PIECE to the next, the last read
+        whole, so a prompt is read in the same passes alone or joining a batch (its cache has the same bits)."""
+        end = min(read + count, length)
+        if not self.forward.nodewise:
+            return [(read, end)]
+        end = min(-(-end // PROMPT_PIECE) * PROMPT_PIECE, length)  # so `read` is always a multiple, or the end
+        return [(start, min(start + PROMPT_PIECE, end)) for start in range(read, end, PROMPT_PIECE)]
 
     def verify(self, generations: Sequence[Generation], trees: Sequence[DraftTree]) -> tuple[list[Verdict], float]:
         pairs = list(zip(generations, trees, strict=True))
