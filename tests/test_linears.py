@@ -4,11 +4,18 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from lookahead.backends.transformers import kernels
+from lookahead import LookaheadEngine
+from lookahead.backends.transformers import backend, kernels
 from lookahead.backends.transformers.costs import ModelMeter
 from lookahead.backends.transformers.forward import ModelForward
 from lookahead.backends.transformers.kernels import DRAFT_WIDTHS, packed_candidate, packed_from, packed_wins_from
-from lookahead.backends.transformers.linears import PackedLinears, packable, packable_dtypes, packed_as
+from lookahead.backends.transformers.linears import (
+    PackedLinears,
+    packable,
+    packable_dtypes,
+    packed_as,
+    packed_linears,
+)
 from lookahead.decoding.costs import cache_path, read_cache, write_cache
 from lookahead.drafting.tree import DraftTree
 
@@ -218,3 +225,15 @@ def test_products_wider_than_most_rows_are_made_in_pieces(monkeypatch):
         assert rows == [18]
     assert split.shape == whole.shape == (2, 9, layer.out_features)
     assert torch.allclose(split, whole, atol=1e-5)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.skipif(torch.bfloat16 not in packable_dtypes(), reason="oneDNN computes no bfloat16 on this CPU")
+@pytest.mark.filterwarnings("ignore:.*round bfloat16 otherwise")  # Gemma 3's fallback: test_capability checks it
+@pytest.mark.parametrize(("family", "exact"), [("llama", True), ("gemma3_text", False)])
+def test_bfloat16_runs_one_kind_of_layer_for_every_width_only_where_that_buys_bits(family, exact, monkeypatch):
+    monkeypatch.setattr(backend, "packed_from", lambda *args: 4)  # packed layers measured faster from 4 tokens
+    engine = LookaheadEngine(tiny_model(family).to(torch.bfloat16), None)
+    forward = engine.backend.forward
+    assert forward.nodewise == exact
+    assert (forward.linears, forward.packed_from) == ((None, 1) if exact else (packed_linears(forward.model), 4))

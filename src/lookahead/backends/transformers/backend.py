@@ -53,16 +53,19 @@ class TransformersBackend:
         self._tolerant_mode: DraftMode = probe_draft_mode(self.forward)
         """What the model verifies within float tolerance, before low precision asks for bits (batches' layouts are
         probed for it)."""
+        routed = None  # from how many tokens packed layers win, where low precision may not route by it
         if packed is not None and config.linears == "auto":
             widths = DRAFT_WIDTHS if self._tolerant_mode != "off" else (1,)
             verdict = packed_from(self.forward, packed, widths)
-            # low precision rounds each kind of layer its own way: one kind for passes of every width
             if verdict is None or (verdict > 1 and low_precision(self.forward)):
-                self.forward.linears = None
+                self.forward.linears = None  # low precision: the two kinds round otherwise, so one for every width
+                routed = verdict
             else:
                 self.forward.packed_from = verdict
         self.draft_mode: DraftMode
         self.draft_mode, widest = settle_rounding(self.forward, self._tolerant_mode, config.decoding_length + 1)
+        if routed is not None and not self.forward.nodewise:  # bits were not to be had anyway: route as measured
+            self.forward.linears, self.forward.packed_from = packed, routed
         self.max_draft = widest - 1
         self.verifier = ModelVerifier(self.forward, self.draft_mode, self.max_draft, config.recycled)
         self._batching_lock = threading.Lock()
