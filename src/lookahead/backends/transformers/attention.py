@@ -67,8 +67,8 @@ def nodewise_sdpa_forward(
 ) -> tuple[torch.Tensor, None]:
     """A chain appended to the cache (its block's keys last), node by node: node i over the cache and nodes 0..i.
 
-    Each call is a one-token step's, so each node's row is the one plain decoding computes. Only for one
-    sequence's chain: the block's own mask is not read.
+    Each node's call is the one its one-token step makes (one-token steps come here too), so each node's row is
+    the one plain decoding computes. Only for one sequence's chain: the block's own mask is not read.
     """
     width = query.shape[2]
     past = key.shape[2] - width
@@ -131,17 +131,29 @@ def _one_by_one(
     kwargs: dict,
 ) -> tuple[torch.Tensor, None]:
     """Query token t (of batch row 0) attends alone over the first `keys` columns of batch row `row`, (row, keys) =
-    `reads[t]`: a one-token step's call each (no mask: a one-token step reading its whole cache has none)."""
+    `reads[t]`: one call each, as a one-token step's (no mask: a one-token step reading its whole cache has none).
+
+    The engine's one-token steps come here too, so every step and node makes the same call; where torch's SDPA
+    takes the layer in place, it is called directly (a node's call is most of what verifying it costs)."""
     if kwargs.get("sliding_window") is not None:
         raise RuntimeError("a sliding-window layer cannot attend token by token: its window is in the masks")
+    if not _in_place(module, query, kwargs):
+        tokens = [
+            grouped_sdpa_forward(
+                module, query[:, :, t : t + 1], key[row : row + 1, :, :keys], value[row : row + 1, :, :keys], None,
+                dropout, scaling, **kwargs,
+            )[0]
+            for t, (row, keys) in enumerate(reads)
+        ]  # fmt: skip
+        return torch.cat(tokens, dim=1), None
+    attend = torch.nn.functional.scaled_dot_product_attention
+    groups = getattr(module, "num_key_value_groups", 1) > 1
     tokens = [
-        grouped_sdpa_forward(
-            module, query[:, :, t : t + 1], key[row : row + 1, :, :keys], value[row : row + 1, :, :keys], None,
-            dropout, scaling, **kwargs,
-        )[0]
+        attend(query[:, :, t : t + 1], key[row : row + 1, :, :keys], value[row : row + 1, :, :keys],
+               dropout_p=dropout, scale=scaling, enable_gqa=groups)
         for t, (row, keys) in enumerate(reads)
     ]  # fmt: skip
-    return torch.cat(tokens, dim=1), None
+    return torch.cat(tokens, dim=2).transpose(1, 2).contiguous(), None
 
 
 def _slides(module: torch.nn.Module, packing: Packing, window: int | None) -> bool:

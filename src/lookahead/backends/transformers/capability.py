@@ -208,7 +208,7 @@ def _bit_exact_widths(forward: ModelForward, widest: int, narrowest: int = 2) ->
     tokens = [(11 * i + 5) % vocab for i in range(widest)]
     with torch.inference_mode():
         cache = _prefilled(forward, prefix)
-        steps = [forward(cache, [token], len(prefix) + i)[-1] for i, token in enumerate(tokens)]
+        steps = [forward(cache, [token], len(prefix) + i, DraftTree())[-1] for i, token in enumerate(tokens)]
         cache.crop(-widest)
         exact, reason = narrowest - 1, None
         for width in range(narrowest, widest + 1):
@@ -223,7 +223,7 @@ def _bit_exact_widths(forward: ModelForward, widest: int, narrowest: int = 2) ->
             forward(cache, tokens[:exact], len(prefix), DraftTree.chain(tokens[1:exact]))
             kept = exact // 2
             BatchCache(cache, [len(prefix)], [None]).keep([list(range(kept))], exact)
-            if not torch.equal(forward(cache, [tokens[kept]], len(prefix) + kept)[-1], steps[kept]):
+            if not torch.equal(forward(cache, [tokens[kept]], len(prefix) + kept, DraftTree())[-1], steps[kept]):
                 return 1, f"the step after keeping {kept} of a chain of {exact} rounds otherwise than plain decoding"
     return exact, reason
 
@@ -266,14 +266,15 @@ def _batch_mismatch(forward: ModelForward, shape: DraftTree, layout: Layout) -> 
         batch = SlabCache.merge(parts) if layout == "packed" else BatchCache.merge(parts)
         got = forward.rows(batch.cache, blocks, trees, batch.lengths, tree_masks)
         batch.keep(deepest, max(map(len, blocks)))
-        got_after = forward.rows(batch.cache, [[after], [after]], [None, None], batch.lengths, tree_masks)
+        steps = [DraftTree(), DraftTree()]  # as the engine's steps pass them
+        got_after = forward.rows(batch.cache, [[after], [after]], steps, batch.lengths, tree_masks)
         for row, (prefix, block, tree, path) in enumerate(zip(prefixes, blocks, trees, deepest, strict=True)):
             alone = _prefilled(forward, prefix)
             want = forward(alone, block, len(prefix), tree)
             if (how := _difference(forward, got[row][: len(block)], want)) is not None:
                 return f"row {row} of a batch differs from the same row alone {how}"
             BatchCache(alone, [len(prefix)], [row]).keep([path], len(block))
-            want = forward(alone, [after], len(prefix) + len(path))[-1]
+            want = forward(alone, [after], len(prefix) + len(path), DraftTree())[-1]
             if (how := _difference(forward, got_after[row][0], want)) is not None:
                 return f"row {row} of a batch after compacting differs from the same row alone {how}"
     return None

@@ -82,7 +82,7 @@ class ModelForward:
         if last_only and self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = 1
         attention = self.attention
-        if self.nodewise and any(tree is not None for tree in trees) and ids.numel() > 1:
+        if self.nodewise and any(tree is not None for tree in trees):  # one-token steps too: the same calls
             if len(blocks) > 1:
                 raise ValueError("rows padded into one pass cannot attend token by token: verify them packed")
             if not trees[0].is_chain:
