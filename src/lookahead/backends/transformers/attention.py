@@ -137,23 +137,17 @@ def _one_by_one(
     takes the layer in place, it is called directly (a node's call is most of what verifying it costs)."""
     if kwargs.get("sliding_window") is not None:
         raise RuntimeError("a sliding-window layer cannot attend token by token: its window is in the masks")
-    if not _in_place(module, query, kwargs):
-        tokens = [
-            grouped_sdpa_forward(
-                module, query[:, :, t : t + 1], key[row : row + 1, :, :keys], value[row : row + 1, :, :keys], None,
-                dropout, scaling, **kwargs,
-            )[0]
-            for t, (row, keys) in enumerate(reads)
-        ]  # fmt: skip
-        return torch.cat(tokens, dim=1), None
-    attend = torch.nn.functional.scaled_dot_product_attention
-    groups = getattr(module, "num_key_value_groups", 1) > 1
+
+    def wrapped(*args) -> torch.Tensor:  # transformers' function, where torch's cannot take the layer in place
+        return grouped_sdpa_forward(*args, **kwargs)[0]
+
+    attend = _torch_sdpa if _in_place(module, query, kwargs) else wrapped
     tokens = [
-        attend(query[:, :, t : t + 1], key[row : row + 1, :, :keys], value[row : row + 1, :, :keys],
-               dropout_p=dropout, scale=scaling, enable_gqa=groups)
+        attend(module, query[:, :, t : t + 1], key[row : row + 1, :, :keys], value[row : row + 1, :, :keys], None,
+               dropout, scaling)
         for t, (row, keys) in enumerate(reads)
     ]  # fmt: skip
-    return torch.cat(tokens, dim=2).transpose(1, 2).contiguous(), None
+    return torch.cat(tokens, dim=1), None
 
 
 def _slides(module: torch.nn.Module, packing: Packing, window: int | None) -> bool:

@@ -54,14 +54,13 @@ class PackedLinear:
             if not _packable_weight(weight):  # moved to another dtype or device since: the layer computes itself
                 return torch.nn.functional.linear(x, weight, module.bias)
             self.__dict__.update(vars(pack(module)))  # changed since: packed again, before it is used
-        rows = x.reshape(-1, x.shape[-1])
-        if most_rows is None or len(rows) <= most_rows:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, module.bias, "none", [], "")
-        pieces = [
-            torch.ops.mkldnn._linear_pointwise(piece, self.packed, module.bias, "none", [], "")
-            for piece in rows.split(most_rows)
-        ]
+        if most_rows is None or x.numel() <= most_rows * x.shape[-1]:
+            return self._product(module, x)
+        pieces = [self._product(module, piece) for piece in x.reshape(-1, x.shape[-1]).split(most_rows)]
         return torch.cat(pieces).reshape(*x.shape[:-1], -1)
+
+    def _product(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, module.bias, "none", [], "")
 
 
 class PackedLinears:
