@@ -58,6 +58,10 @@ class LookaheadConfig:
     from weights packed once for oneDNN in the passes wide enough for that to measure faster on this machine
     (cached), the model's own in narrower ones; 'packed' always, 'model' never. The packed copies double the
     memory the linear weights take."""
+    direct_layers: bool = True
+    """A Llama-shaped transformers model (Llama, Qwen2, Mistral, SmolLM2): run its layers as one loop, without
+    transformers' per-layer plumbing, where a check at start finds it gives the model's logits bit for bit
+    (backends/transformers/decoder.py); False: always through the model's forward."""
 
     def __post_init__(self) -> None:
         for name in ("decoding_length", "branch_length", "match_length"):
@@ -70,6 +74,8 @@ class LookaheadConfig:
         check_max_nodes(self.trie_max_nodes, "LookaheadConfig.trie_max_nodes")
         check_half_life(self.trie_half_life, "LookaheadConfig.trie_half_life")
         check_recycled(self.recycled, "LookaheadConfig.recycled")
+        if not isinstance(self.direct_layers, bool):
+            raise ValueError(f"LookaheadConfig.direct_layers must be true or false, got {self.direct_layers!r}")
         if self.linears not in LINEARS:
             raise ValueError(f"LookaheadConfig.linears must be one of {', '.join(LINEARS)}, got {self.linears!r}")
         if not (is_finite_number(self.min_score) and 0.0 <= self.min_score < 1.0):
@@ -133,13 +139,20 @@ def check_half_life(value: object, name: str = "half_life") -> None:
         raise ValueError(f"{name} must be positive or None, got {value!r}")
 
 
+_BOOLEANS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
+
 def _convert(key: str, text: str, kind: object) -> object:
-    """`text` as a value of the type `kind` (int, float, str, or one of them or None)."""
+    """`text` as a value of the type `kind` (bool, int, float, str, or one of them or None)."""
     options = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
     optional = type(None) in options
     (base,) = [option for option in options if option is not type(None)]
     if optional and text.lower() == "none":
         return None
+    if base is bool:
+        if text.lower() not in _BOOLEANS:
+            raise ValueError(f"{key} must be true or false, got {text!r}")
+        return _BOOLEANS[text.lower()]
     try:
         return base(text)
     except ValueError:

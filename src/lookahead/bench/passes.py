@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..backends.transformers.capability import check_direct_decoder
 from ..backends.transformers.forward import ModelForward
 from ..backends.transformers.kernels import time_both
 from ..backends.transformers.linears import PackedLinears
@@ -50,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", default="128,1024", help="cached tokens before the pass (comma-separated)")
     parser.add_argument("--repeats", type=int, default=7, help="passes of each kind and width; the fastest counts")
     parser.add_argument("--out", default="bench-out/passes")
+    parser.add_argument(
+        "--model-forward", action="store_true", help="passes through the model's forward, not the direct decoder"
+    )
     args = parser.parse_args(argv)
     contexts = [int(context) for context in args.contexts.split(",")]
     if args.repeats < 1 or min(contexts) < 1:
@@ -57,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     model, _ = load_model(args.model, dtype=args.dtype, device=args.device)
     forward = ModelForward(model)
+    if not args.model_forward:
+        check_direct_decoder(forward)  # as the engine's passes run
     packed = PackedLinears(model)
     if not packed:
         parser.error(f"no linear layer of this model can be packed ({args.dtype} on {args.device})")

@@ -10,7 +10,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ...config import LookaheadConfig
 from ...decoding.backend import DraftMode
 from ...decoding.transcript import eos_ids
-from .capability import check_cached_decoding, low_precision, probe_batching, probe_draft_mode, settle_rounding
+from .capability import (
+    check_cached_decoding,
+    check_direct_decoder,
+    low_precision,
+    probe_batching,
+    probe_draft_mode,
+    settle_rounding,
+)
 from .costs import ModelMeter
 from .forward import ModelForward
 from .kernels import DRAFT_WIDTHS, packed_candidate, packed_from
@@ -49,6 +56,8 @@ class TransformersBackend:
         self.eos_ids = eos_ids(model.generation_config, tokenizer)
         self.forward = ModelForward(model)
         self.forward.linears = packed = packed_candidate(self.forward, config.linears)
+        if config.direct_layers:
+            check_direct_decoder(self.forward)
         check_cached_decoding(self.forward)
         self._tolerant_mode: DraftMode = probe_draft_mode(self.forward)
         """What the model verifies within float tolerance, before low precision asks for bits (batches' layouts are

@@ -28,6 +28,7 @@ from transformers import Cache
 
 from ...decoding.backend import DraftMode
 from ...drafting.tree import DraftTree
+from .decoder import DirectDecoder
 from .forward import ModelForward
 from .kvcache import BatchCache, has_sliding_layers
 from .slab import SlabCache
@@ -127,6 +128,40 @@ def _cache_gap(forward: ModelForward) -> float | None:
         got = forward(cache, [root], len(prefix))[-1]
         want = _plain_logits(forward, [*prefix, root])[-1]
     return _gap(got, want)
+
+
+def check_direct_decoder(forward: ModelForward) -> None:
+    """Run the model's layers as one loop (`forward.decoder`, decoder.py) if it is Llama-shaped and the loop gives
+    the model's own logits bit for bit: a prompt read, a one-token step, a draft tree and a last-only read."""
+    decoder = DirectDecoder.of(forward.model)
+    if decoder is not None and _once(forward, "direct decoder", lambda: _direct_difference(forward, decoder)) is None:
+        forward.decoder = decoder
+
+
+def _direct_difference(forward: ModelForward, decoder: DirectDecoder) -> str | None:
+    """Where the direct decoder's logits differ from the model's forward in any bit; None if nowhere."""
+    vocab = forward.vocab_size
+    prefix = [t % vocab for t in _PREFIX * 4]
+    root, nxt = _ROOT % vocab, _NEXT % vocab
+    tree = DraftTree([t % vocab for t in _TREE.tokens], _TREE.parents)
+    passes: dict[str, list[torch.Tensor]] = {}
+    with torch.inference_mode():
+        for name, candidate in (("model", None), ("direct", decoder)):
+            forward.decoder = candidate
+            try:
+                cache = forward.new_cache()
+                passes[name] = [
+                    forward(cache, prefix, 0),
+                    forward(cache, [root], len(prefix), DraftTree()),
+                    forward(cache, [nxt, *tree.tokens], len(prefix) + 1, tree),
+                    forward(forward.new_cache(), [*prefix, root], 0, last_only=True),
+                ]
+            finally:
+                forward.decoder = None
+    for step, (want, got) in enumerate(zip(passes["model"], passes["direct"], strict=True)):
+        if not torch.equal(want, got):
+            return f"pass {step}: {float((want.float() - got.float()).abs().max()):.3g}"
+    return None
 
 
 def probe_draft_mode(forward: ModelForward) -> DraftMode:

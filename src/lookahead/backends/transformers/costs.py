@@ -15,12 +15,14 @@ from .slab import SlabCache
 
 
 def runtime_key(forward: ModelForward) -> str:
-    """What a pass's time depends on besides the linear layers (model, dtype, device, threads, attention); ''
-    for a model without a name."""
+    """What a pass's time depends on besides the linear layers (model, dtype, device, threads, attention, the
+    direct decoder); '' for a model without a name."""
     name = getattr(forward.config, "_name_or_path", "")
     key = f"{name}|{forward.model.dtype}|{forward.device}|threads={torch.get_num_threads()}"
     if forward.attention is not None:  # another attention function, other costs
         key += f"|attention={forward.attention}"
+    if forward.decoder is not None:  # the layers as one loop: less time around the arithmetic
+        key += "|layers=direct"
     return key if name else ""
 
 

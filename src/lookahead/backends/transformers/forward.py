@@ -15,6 +15,7 @@ from transformers import Cache, PreTrainedModel
 
 from ...drafting.tree import DraftTree
 from .attention import NODEWISE_SDPA, PACKED_SDPA, attention_as, grouped_attention
+from .decoder import DirectDecoder
 from .kvcache import new_cache
 from .linears import PackedLinears, packed_as
 from .masks import block_inputs, packed_inputs
@@ -46,6 +47,9 @@ class ModelForward:
         self.most_rows: int | None = None
         """Most rows a packed product of a verification pass takes, more made in pieces (linears.packed_as): where
         wider products round a row otherwise (capability.settle_rounding); None: any."""
+        self.decoder: DirectDecoder | None = None
+        """The model's layers run as one loop (decoder.py), where found to give its logits bit for bit
+        (capability.check_direct_decoder); None: through the model's forward."""
 
     @property
     def vocab_size(self) -> int:
@@ -77,10 +81,6 @@ class ModelForward:
         if isinstance(cache, SlabCache):
             return self._packed(cache, blocks, trees, lengths)
         ids, mask, positions = block_inputs(blocks, trees, lengths, tree_masks, self.model.dtype, self.device)
-        kwargs: dict = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "use_cache": True}
-        kwargs[self._cache_keyword] = cache
-        if last_only and self._takes_logits_to_keep:
-            kwargs["logits_to_keep"] = 1
         attention = self.attention
         if self.nodewise and any(tree is not None for tree in trees):  # one-token steps too: the same calls
             if len(blocks) > 1:
@@ -90,7 +90,7 @@ class ModelForward:
             attention = NODEWISE_SDPA
         linears = self._linears(ids.numel())
         with self._lock, attention_as(self.model, attention), packed_as(linears, self._most_rows(trees)):
-            logits = self.model(**kwargs).logits
+            logits = self._logits(ids, mask, positions, cache, last_only)
         return logits[:, -1:] if last_only else logits
 
     def _packed(
@@ -105,16 +105,44 @@ class ModelForward:
             blocks, trees, lengths, self.model.dtype, self.device, cache.window, cache.sliding_layers, self.nodewise
         )
         mask = packing.root_mask  # what the model's mask preparation passes through; attention reads the packing
-        kwargs: dict = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "use_cache": True}
-        kwargs[self._cache_keyword] = cache
         cache.packing = packing
         try:
             linears = self._linears(ids.numel())
             with self._lock, attention_as(self.model, PACKED_SDPA), packed_as(linears, self._most_rows(trees)):
-                logits = self.model(**kwargs, lookahead_packing=packing).logits[0]
+                logits = self._logits(ids, mask, positions, cache, lookahead_packing=packing)[0]
         finally:
             cache.packing = None
         return list(logits.split([len(block) for block in blocks]))
+
+    def _logits(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor | None,
+        positions: torch.Tensor,
+        cache: Cache,
+        last_only: bool = False,
+        **attention_kwargs,
+    ) -> torch.Tensor:
+        """The model's logits of a block: through the direct decoder where it was found to give the same bits."""
+        if self.decoder is not None:
+            return self.decoder(ids, mask, positions, cache, last_only, **attention_kwargs)
+        return self.model_logits(ids, mask, positions, cache, last_only, **attention_kwargs)
+
+    def model_logits(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor | None,
+        positions: torch.Tensor,
+        cache: Cache,
+        last_only: bool = False,
+        **attention_kwargs,
+    ) -> torch.Tensor:
+        """The logits of the model's own forward (the reference the direct decoder is checked against)."""
+        kwargs: dict = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "use_cache": True}
+        kwargs[self._cache_keyword] = cache
+        if last_only and self._takes_logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        return self.model(**kwargs, **attention_kwargs).logits
 
     def _most_rows(self, trees: Sequence[DraftTree | None]) -> int | None:
         """`most_rows` for a verification pass (some row has a tree); None for a prompt's, which reads the same

@@ -1,0 +1,90 @@
+"""The direct decoder: a Llama-shaped model's layers as one loop, used only where it gives the model's own bits."""
+
+import pytest
+import torch
+from tiny_models import FAMILIES, tiny_model
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from lookahead import LookaheadConfig, LookaheadEngine
+from lookahead.backends.transformers.capability import check_direct_decoder
+from lookahead.backends.transformers.decoder import DirectDecoder
+from lookahead.backends.transformers.forward import ModelForward
+from lookahead.backends.transformers.kvcache import BatchCache
+from lookahead.backends.transformers.slab import SlabCache
+from lookahead.drafting.tree import DraftTree
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LLAMA_SHAPED = ["llama", "qwen2", "mistral"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_only_llama_shaped_families_get_a_direct_decoder(family):
+    assert (DirectDecoder.of(tiny_model(family)) is not None) == (family in LLAMA_SHAPED)
+
+
+def test_a_sliding_window_keeps_the_models_forward():
+    assert DirectDecoder.of(tiny_model("mistral", sliding_window=16)) is None
+
+
+def _passes(forward: ModelForward) -> list[torch.Tensor]:
+    """A prompt read, one-token steps, a draft tree, and a packed batch of two rows (one drafting a tree)."""
+    prompts = [[(7 * i + 3) % 97 for i in range(40)], [(5 * i + 1) % 97 for i in range(23)]]
+    tree = DraftTree([11, 12, 13, 14], [0, 0, 1, 3])
+    with torch.inference_mode():
+        caches = [forward.new_cache() for _ in prompts]
+        out = [forward(cache, prompt, 0) for cache, prompt in zip(caches, prompts, strict=True)]
+        out += [forward(caches[0], [token], len(prompts[0]) + i, DraftTree()) for i, token in enumerate([5, 6, 7])]
+        out.append(forward(caches[0], [8, *tree.tokens], len(prompts[0]) + 3, tree))
+        caches[0].crop(-5)  # back to the prompt and its three steps
+        batch = SlabCache.merge(
+            [BatchCache(cache, [len(p)], [row]) for row, (cache, p) in enumerate(zip(caches, prompts, strict=True))]
+        )
+        out += forward.rows(batch.cache, [[8, *tree.tokens], [9]], [tree, DraftTree()], batch.lengths, True)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", LLAMA_SHAPED)
+def test_the_direct_decoder_gives_the_models_logits_bit_for_bit(family, dtype):
+    forward = ModelForward(tiny_model(family).to(dtype))
+    want = _passes(forward)
+    check_direct_decoder(forward)
+    assert forward.decoder is not None
+    got = _passes(forward)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+class _ShiftedRMSNorm(LlamaRMSNorm):
+    """Gemma's norm under a Llama-shaped name: scales by 1 + weight, which the loop would not."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return hidden_states * torch.rsqrt(variance + self.variance_epsilon) * (1.0 + self.weight)
+
+
+def test_a_model_the_loop_would_misread_keeps_its_forward_and_its_tokens():
+    model = tiny_model("llama")
+    for layer in model.model.layers:
+        norm = _ShiftedRMSNorm(model.config.hidden_size, eps=layer.input_layernorm.variance_epsilon)
+        norm.weight.data.copy_(layer.input_layernorm.weight.data)
+        layer.input_layernorm = norm
+    assert DirectDecoder.of(model) is not None  # its shape passes; only the check at start tells them apart
+    engine = LookaheadEngine(model, None, LookaheadConfig(policy="fixed"))
+    assert engine.backend.forward.decoder is None
+    prompt = [(5 * i) % 60 + 2 for i in range(30)] * 2
+    generated = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=30, pad_token_id=0)
+    assert engine.generate(prompt, 30).token_ids == generated[0, len(prompt) :].tolist()
+
+
+def test_the_switch_turns_the_loop_off():
+    model = tiny_model("llama")
+    assert LookaheadEngine(model, None, LookaheadConfig()).backend.forward.decoder is not None
+    assert LookaheadEngine(model, None, LookaheadConfig(direct_layers=False)).backend.forward.decoder is None
+    assert LookaheadConfig.parse("direct_layers=false").direct_layers is False
+
+
+def test_a_forward_replaced_on_the_instance_is_the_one_that_runs():
+    model = tiny_model("llama")
+    model.forward = model.forward  # as wrappers that patch a model do
+    assert DirectDecoder.of(model) is None
