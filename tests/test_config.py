@@ -8,7 +8,7 @@ from lookahead.drafting.trie import TokenTrie
 
 def test_config_rejects_bad_settings():
     for bad in ({"decoding_length": 0}, {"branch_length": -1}, {"match_length": 0}, {"policy": "psychic"},
-                {"min_score": 1.5}, {"decoding_length": True}, {"linears": "fast"}):  # fmt: skip
+                {"min_score": 1.5}, {"decoding_length": True}, {"linears": "fast"}, {"direct_layers": 1}):  # fmt: skip
         with pytest.raises(ValueError, match="LookaheadConfig"):
             LookaheadConfig(**bad)
 
@@ -38,7 +38,8 @@ def test_parse_reads_each_setting_as_its_type():
     ("text", "named"),
     [("trie_max_nodes=1.5", "trie_max_nodes"), ("trie_half_life=soon", "trie_half_life"),
      ("decoding_length=none", "decoding_length"), ("colour=3", "colour"), ("branch_length", "branch_length"),
-     ("trie_half_life=-2", "trie_half_life"), ("min_score=nan", "min_score")],
+     ("trie_half_life=-2", "trie_half_life"), ("min_score=nan", "min_score"),
+     ("direct_layers=maybe", "direct_layers")],
 )  # fmt: skip
 def test_parse_names_the_bad_setting(text, named):
     with pytest.raises(ValueError, match=named):
