@@ -6,6 +6,7 @@ from tiny_models import FAMILIES, tiny_model
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from lookahead import LookaheadConfig, LookaheadEngine
+from lookahead.backends.transformers import decoder
 from lookahead.backends.transformers.capability import check_direct_decoder
 from lookahead.backends.transformers.decoder import DirectDecoder
 from lookahead.backends.transformers.forward import ModelForward
@@ -56,20 +57,19 @@ def test_the_direct_decoder_gives_the_models_logits_bit_for_bit(family, dtype):
 
 
 class _ShiftedRMSNorm(LlamaRMSNorm):
-    """Gemma's norm under a Llama-shaped name: scales by 1 + weight, which the loop would not."""
+    """Gemma's norm in Llama's clothes: scales by 1 + weight, which the loop would not."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         return hidden_states * torch.rsqrt(variance + self.variance_epsilon) * (1.0 + self.weight)
 
 
-def test_a_model_the_loop_would_misread_keeps_its_forward_and_its_tokens():
+def test_a_part_swapped_for_another_class_keeps_the_models_forward_and_its_tokens():
     model = tiny_model("llama")
     for layer in model.model.layers:
         norm = _ShiftedRMSNorm(model.config.hidden_size, eps=layer.input_layernorm.variance_epsilon)
         norm.weight.data.copy_(layer.input_layernorm.weight.data)
         layer.input_layernorm = norm
-    assert DirectDecoder.of(model) is not None  # its shape passes; only the check at start tells them apart
     engine = LookaheadEngine(model, None, LookaheadConfig(policy="fixed"))
     assert engine.backend.forward.decoder is None
     prompt = [(5 * i) % 60 + 2 for i in range(30)] * 2
@@ -77,14 +77,30 @@ def test_a_model_the_loop_would_misread_keeps_its_forward_and_its_tokens():
     assert engine.generate(prompt, 30).token_ids == generated[0, len(prompt) :].tolist()
 
 
+def test_a_loop_that_differs_in_any_bit_is_refused_at_start(monkeypatch):
+    exact = decoder._rms_norm
+
+    def one_step_up(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        normed = exact(norm, hidden)
+        return torch.nextafter(normed, torch.full_like(normed, float("inf")))
+
+    monkeypatch.setattr(decoder, "_rms_norm", one_step_up)
+    forward = ModelForward(tiny_model("llama"))
+    check_direct_decoder(forward)
+    assert forward.decoder is None
+
+
+def test_hooks_or_a_replaced_forward_keep_the_models_forward():
+    hooked = tiny_model("llama")
+    hooked.model.layers[1].mlp.register_forward_hook(lambda module, inputs, output: output * 2)
+    patched = tiny_model("llama")
+    patched.forward = patched.forward  # as wrappers that patch a model do
+    assert DirectDecoder.of(tiny_model("llama")) is not None
+    assert DirectDecoder.of(hooked) is None and DirectDecoder.of(patched) is None
+
+
 def test_the_switch_turns_the_loop_off():
     model = tiny_model("llama")
     assert LookaheadEngine(model, None, LookaheadConfig()).backend.forward.decoder is not None
     assert LookaheadEngine(model, None, LookaheadConfig(direct_layers=False)).backend.forward.decoder is None
     assert LookaheadConfig.parse("direct_layers=false").direct_layers is False
-
-
-def test_a_forward_replaced_on_the_instance_is_the_one_that_runs():
-    model = tiny_model("llama")
-    model.forward = model.forward  # as wrappers that patch a model do
-    assert DirectDecoder.of(model) is None

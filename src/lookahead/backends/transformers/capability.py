@@ -132,36 +132,48 @@ def _cache_gap(forward: ModelForward) -> float | None:
 
 def check_direct_decoder(forward: ModelForward) -> None:
     """Run the model's layers as one loop (`forward.decoder`, decoder.py) if it is Llama-shaped and the loop gives
-    the model's own logits bit for bit: a prompt read, a one-token step, a draft tree and a last-only read."""
+    the model's own logits bit for bit: prompts read, one-token steps, a draft tree, a packed batch of two rows and
+    a last-only read. Called before the forward is shared: nothing else runs passes through it meanwhile."""
     decoder = DirectDecoder.of(forward.model)
     if decoder is not None and _once(forward, "direct decoder", lambda: _direct_difference(forward, decoder)) is None:
         forward.decoder = decoder
 
 
 def _direct_difference(forward: ModelForward, decoder: DirectDecoder) -> str | None:
-    """Where the direct decoder's logits differ from the model's forward in any bit; None if nowhere."""
-    vocab = forward.vocab_size
-    prefix = [t % vocab for t in _PREFIX * 4]
-    root, nxt = _ROOT % vocab, _NEXT % vocab
-    tree = DraftTree([t % vocab for t in _TREE.tokens], _TREE.parents)
-    passes: dict[str, list[torch.Tensor]] = {}
-    with torch.inference_mode():
-        for name, candidate in (("model", None), ("direct", decoder)):
-            forward.decoder = candidate
-            try:
-                cache = forward.new_cache()
-                passes[name] = [
-                    forward(cache, prefix, 0),
-                    forward(cache, [root], len(prefix), DraftTree()),
-                    forward(cache, [nxt, *tree.tokens], len(prefix) + 1, tree),
-                    forward(forward.new_cache(), [*prefix, root], 0, last_only=True),
-                ]
-            finally:
-                forward.decoder = None
-    for step, (want, got) in enumerate(zip(passes["model"], passes["direct"], strict=True)):
-        if not torch.equal(want, got):
-            return f"pass {step}: {float((want.float() - got.float()).abs().max()):.3g}"
+    """Where the direct decoder's logits differ from the model's forward in any bit (or why it could not run); None
+    if nowhere."""
+    prior = forward.decoder
+    try:
+        forward.decoder = None
+        want = _decoder_passes(forward)
+        forward.decoder = decoder
+        got = _decoder_passes(forward)
+    except Exception as error:  # a pass neither can run (the later probes say why) or only the model's forward can
+        return f"{'the model' if forward.decoder is None else 'the direct decoder'} failed: {error}"
+    finally:
+        forward.decoder = prior
+    for index, (expected, actual) in enumerate(zip(want, got, strict=True)):
+        if not torch.equal(expected, actual):
+            return f"pass {index}: {float((expected.float() - actual.float()).abs().max()):.3g}"
     return None
+
+
+def _decoder_passes(forward: ModelForward) -> list[torch.Tensor]:
+    vocab = forward.vocab_size
+    prompts = [[t % vocab for t in _PREFIX * 11], [t % vocab for t in _PREFIX * 4]]
+    tree = DraftTree([t % vocab for t in _TREE.tokens], _TREE.parents)
+    root, nxt = _ROOT % vocab, _NEXT % vocab
+    with torch.inference_mode():
+        caches = [forward.new_cache() for _ in prompts]
+        out = [forward(cache, prompt, 0) for cache, prompt in zip(caches, prompts, strict=True)]
+        out.append(forward(caches[0], [root], len(prompts[0]), DraftTree()))
+        out.append(forward(caches[0], [nxt, *tree.tokens], len(prompts[0]) + 1, tree))
+        caches[0].crop(-len(tree) - 1)
+        parts = [BatchCache(cache, [cache.get_seq_length()], [row]) for row, cache in enumerate(caches)]
+        batch = SlabCache.merge(parts)
+        out += forward.rows(batch.cache, [[nxt, *tree.tokens], [root]], [tree, DraftTree()], batch.lengths, True)
+        out.append(forward(forward.new_cache(), [*prompts[1], root], 0, last_only=True))
+    return out
 
 
 def probe_draft_mode(forward: ModelForward) -> DraftMode:

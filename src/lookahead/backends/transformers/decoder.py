@@ -1,7 +1,8 @@
 """A Llama-shaped model's decoder stack run as one loop, without transformers' per-layer plumbing.
 
-A one-token step of a small model on a CPU spends a fifth of its time around the arithmetic:
-module calls that only pass keyword arguments on, and an RMSNorm written as eight operators.
+A one-token step of a small model on a CPU spends about a tenth of its time around the
+arithmetic: module calls that only pass keyword arguments on, and an RMSNorm written as eight
+operators.
 This loop makes the same calls on the same modules and weights — the model's embedding,
 rotary embedding and rotation, its linear layers (packed ones too: linears.packed_as swaps
 their forwards), its cache's `update`, the attention function the pass is set to — and the
@@ -9,10 +10,12 @@ norms as torch's one RMSNorm operator. It is used only where a check at start fi
 the model's logits bit for bit (capability.check_direct_decoder), so it reaches the same
 numbers by a shorter road, never other numbers.
 
-Llama-shaped: every decoder layer holds exactly an input norm, attention of q/k/v/o
-projections, a post-attention norm and a gated MLP, with full (not sliding) attention; Llama,
-Qwen2, Mistral and SmolLM2 are. Anything else runs through the model's forward as before, and so
-does a model whose forward was replaced on the instance.
+Llama-shaped: every decoder layer holds an input norm, attention of q/k/v/o projections, a
+post-attention norm and a gated MLP, with full (not sliding) attention — transformers' Llama,
+Qwen2 and Mistral classes (SmolLM2 is a Llama). Anything else runs through the model's forward
+as before, and so does a model with hooks or a replaced forward on a module the loop does not
+call. The modules are looked up when the engine starts: swap a layer afterwards (an adapter
+injected, a hook added) and start a new engine.
 """
 
 from __future__ import annotations
@@ -20,18 +23,21 @@ from __future__ import annotations
 import inspect
 import sys
 from collections.abc import Callable
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from transformers import Cache, PreTrainedModel
+from torch.nn.modules import module as module_hooks
+from transformers import Cache, PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-_LAYER_PARTS = {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
-_ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
-_MLP_PARTS = {"gate_proj", "up_proj", "down_proj"}
+_FAMILIES = frozenset(
+    f"transformers.models.{name}.modeling_{name}" for name in ("llama", "qwen2", "mistral")
+)  # every layer: input norm, q/k/v/o attention, post-attention norm, gated MLP; RMSNorm as Llama's
 _CACHE_KEYWORD = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+"""What transformers' mask helper calls the cache (renamed during 5.x, as the model's forward's: forward.py)."""
 
 
 class _Layer(NamedTuple):
@@ -51,18 +57,18 @@ class _Layer(NamedTuple):
     act: Callable[[torch.Tensor], torch.Tensor]
 
     @classmethod
-    def of(cls, index: int, layer: torch.nn.Module) -> _Layer:
+    def of(cls, layer: torch.nn.Module) -> _Layer:
+        """The parts of a Llama-shaped decoder layer (its attention's index is the one its cache updates use)."""
         attention, mlp = layer.self_attn, layer.mlp
         projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)
-        return cls(index, layer.input_layernorm, attention, *projections, layer.post_attention_layernorm,
+        return cls(attention.layer_idx, layer.input_layernorm, attention, *projections, layer.post_attention_layernorm,
                    mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn)  # fmt: skip
 
 
 class DirectDecoder:
     """The model's forward pass (logits) as one loop over its layers; build with `of`."""
 
-    def __init__(self, model: PreTrainedModel, rotate: Callable, eager: Callable) -> None:
-        self.model = model
+    def __init__(self, model: PreTrainedModel, modeling: ModuleType) -> None:
         self.config = model.config
         inner = model.model
         self._embed, self._rotary, self._norm, self._head = (
@@ -71,41 +77,31 @@ class DirectDecoder:
             inner.norm,
             model.lm_head,
         )
-        self._rotate, self._eager = rotate, eager
-        self._layers = [
-            _Layer.of(index, layer) for index, layer in enumerate(inner.layers[: self.config.num_hidden_layers])
-        ]
+        self._rotate: Callable = modeling.apply_rotary_pos_emb
+        self._eager: Callable = modeling.eager_attention_forward
+        self._layers = [_Layer.of(layer) for layer in inner.layers[: self.config.num_hidden_layers]]
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> DirectDecoder | None:
-        """A decoder for `model` if it is Llama-shaped (see the module's docstring), else None."""
-        inner = getattr(model, "model", None)
-        if "forward" in vars(model) or (inner is not None and "forward" in vars(inner)):
-            return None  # a forward replaced on the instance is the one to run
-        if inner is None or not all(hasattr(inner, name) for name in ("embed_tokens", "rotary_emb", "norm", "layers")):
+        """A decoder for `model` if it is one of the Llama-shaped families, unmodified, without sliding windows or
+        hooks on the modules the loop does not call; else None.
+
+        The families are named (by the module that defines every class the loop replaces) rather than recognised by
+        their parts: a family with Llama's parts can add math the check at start does not reach (Ministral3 scales
+        queries from 16,384 positions on).
+        """
+        modeling = type(model).__module__
+        if modeling not in _FAMILIES or not type(model).__name__.endswith("ForCausalLM"):
             return None
-        if not hasattr(model, "lm_head") or getattr(model.config, "final_logit_softcapping", None) is not None:
-            return None
-        if any(kind != "full_attention" for kind in getattr(model.config, "layer_types", None) or []):
-            return None
+        inner = model.model
+        replaced = [model, inner, inner.norm]
         for layer in inner.layers:
-            attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-            if attention is None or mlp is None or getattr(attention, "sliding_window", None) is not None:
-                return None
-            if not (_children(layer) == _LAYER_PARTS and _children(attention) == _ATTENTION_PARTS):
-                return None
-            if _children(mlp) - {"act_fn"} != _MLP_PARTS or not callable(getattr(mlp, "act_fn", None)):
-                return None
-            if not all(_is_rms_norm(norm) for norm in (layer.input_layernorm, layer.post_attention_layernorm)):
-                return None
-        if not _is_rms_norm(inner.norm) or _slides(model.config):
+            replaced += [layer, layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm]
+        if any(type(module).__module__ != modeling for module in replaced):
+            return None  # a part swapped for another class: its math is not the family's
+        if _slides(model.config) or any(_hooked(module) for module in replaced) or _global_hooks():
             return None
-        modeling = sys.modules[type(inner.layers[0].self_attn).__module__]
-        rotate, eager = (
-            getattr(modeling, "apply_rotary_pos_emb", None),
-            getattr(modeling, "eager_attention_forward", None),
-        )
-        return cls(model, rotate, eager) if callable(rotate) and callable(eager) else None
+        return cls(model, sys.modules[modeling])
 
     def __call__(
         self,
@@ -127,7 +123,10 @@ class DirectDecoder:
             **{_CACHE_KEYWORD: cache},
         )
         cos, sin = self._rotary(hidden, position_ids=position_ids)
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._eager)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self._layers[0].attention.config._attn_implementation, self._eager
+        )
+        attention_kwargs = {"position_ids": position_ids, "use_cache": True, **attention_kwargs}  # as the model passes
         shape = (*hidden.shape[:-1], -1)
         for layer in self._layers:
             normed = _rms_norm(layer.input_norm, hidden)
@@ -148,23 +147,23 @@ class DirectDecoder:
         return self._head(hidden[:, -1:] if last_only else hidden)
 
 
-def _slides(config) -> bool:
-    """Whether some layer attends over a sliding window (Qwen2 keeps a window size it does not use)."""
+def _slides(config: PretrainedConfig) -> bool:
+    """Whether some layer attends over a sliding window (Qwen2 keeps a window size it uses only if told to)."""
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
+        return True
     return bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True)
 
 
-def _children(module: torch.nn.Module) -> set[str]:
-    return {name for name, _ in module.named_children()}
-
-
-def _is_rms_norm(module: torch.nn.Module) -> bool:
-    """Llama's RMSNorm: a weight, an epsilon, and no other parameters (Gemma's adds one to its weight: the check at
-    start tells them apart)."""
-    return (
-        type(module).__name__.endswith("RMSNorm")
-        and hasattr(module, "variance_epsilon")
-        and ([name for name, _ in module.named_parameters()] == ["weight"])
+def _hooked(module: torch.nn.Module) -> bool:
+    """Whether calling the module does more than its class's forward (hooks, accelerate's, a replaced forward)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook")) or (
+        "forward" in vars(module)
     )
+
+
+def _global_hooks() -> bool:
+    """Hooks registered for every module (torch.nn.modules.module.register_module_forward_hook)."""
+    return bool(module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks)
 
 
 def _rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
