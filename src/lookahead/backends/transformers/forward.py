@@ -123,21 +123,10 @@ class ModelForward:
         last_only: bool = False,
         **attention_kwargs,
     ) -> torch.Tensor:
-        """The model's logits of a block: through the direct decoder where it was found to give the same bits."""
+        """The model's logits of a block: through the direct decoder where it was found to give the same bits, else
+        through the model's forward."""
         if self.decoder is not None:
             return self.decoder(ids, mask, positions, cache, last_only, **attention_kwargs)
-        return self.model_logits(ids, mask, positions, cache, last_only, **attention_kwargs)
-
-    def model_logits(
-        self,
-        ids: torch.Tensor,
-        mask: torch.Tensor | None,
-        positions: torch.Tensor,
-        cache: Cache,
-        last_only: bool = False,
-        **attention_kwargs,
-    ) -> torch.Tensor:
-        """The logits of the model's own forward (the reference the direct decoder is checked against)."""
         kwargs: dict = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "use_cache": True}
         kwargs[self._cache_keyword] = cache
         if last_only and self._takes_logits_to_keep:
