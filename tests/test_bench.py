@@ -251,11 +251,13 @@ def test_closed_batch_benchmark_refuses_unknown_sets(capsys):
     assert exit_.value.code == 2 and "--sets" in capsys.readouterr().err
 
 
-def test_pass_time_benchmark_times_both_kinds_of_linear_layers(tmp_path):
+@pytest.mark.parametrize("through", [[], ["--model-forward"]])
+def test_pass_time_benchmark_times_both_kinds_of_linear_layers(tmp_path, through):
     from lookahead.bench import passes
 
-    assert passes.main(["--contexts", "16", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    assert passes.main(["--contexts", "16", "--repeats", "1", "--out", str(tmp_path), *through]) == 0
     result = json.loads((tmp_path / "passes.json").read_text())
+    assert result["direct_layers"] == (not through), "the bundled Llama runs its layers as one loop, as the engine does"
     rows = result["passes"]
     assert [row["width"] for row in rows] == list(passes.WIDTHS)
     assert all(row["model_ms"] > 0 and row["packed_ms"] > 0 for row in rows)

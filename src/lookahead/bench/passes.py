@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown_table(rows[-len(WIDTHS) :], COLUMNS), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    record = {**run_record("lookahead.bench.passes", args, argv), "passes": rows}
+    record = {**run_record("lookahead.bench.passes", args, argv), "direct_layers": forward.decoder is not None}
+    record["passes"] = rows
     (out / "passes.json").write_text(json.dumps(record, indent=1))
     (out / "passes.md").write_text(
         f"`{record['command']}`\n\nMilliseconds of one pass of one row, fastest of {args.repeats}; "
