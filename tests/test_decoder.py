@@ -39,7 +39,7 @@ def _passes(forward: ModelForward) -> list[torch.Tensor]:
         out.append(forward(caches[0], [8, *tree.tokens], len(prompts[0]) + 3, tree))
         caches[0].crop(-5)  # back to the prompt and its three steps
         batch = SlabCache.merge(
-            [BatchCache(cache, [len(p)], [row]) for row, (cache, p) in enumerate(zip(caches, prompts, strict=True))]
+            [BatchCache(cache, [cache.get_seq_length()], [row]) for row, cache in enumerate(caches)]
         )
         out += forward.rows(batch.cache, [[8, *tree.tokens], [9]], [tree, DraftTree()], batch.lengths, True)
     return out

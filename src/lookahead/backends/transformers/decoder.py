@@ -1,14 +1,13 @@
 """A Llama-shaped model's decoder stack run as one loop, without transformers' per-layer plumbing.
 
-A one-token step of a small model on a CPU spends about a tenth of its time around the
-arithmetic: module calls that only pass keyword arguments on, and an RMSNorm written as eight
-operators.
-This loop makes the same calls on the same modules and weights — the model's embedding,
-rotary embedding and rotation, its linear layers (packed ones too: linears.packed_as swaps
-their forwards), its cache's `update`, the attention function the pass is set to — and the
-norms as torch's one RMSNorm operator. It is used only where a check at start finds it gives
-the model's logits bit for bit (capability.check_direct_decoder), so it reaches the same
-numbers by a shorter road, never other numbers.
+A one-token step of a small model on a CPU spends a measurable share of its time around the
+arithmetic (benchmarks/NOTES.md): module calls that only pass keyword arguments on, and an
+RMSNorm written as eight operators. This loop makes the same calls on the same modules and
+weights — the model's embedding, rotary embedding and rotation, its linear layers (packed ones
+too: linears.packed_as swaps their forwards), its cache's `update`, the attention function the
+pass is set to — and the norms as torch's one RMSNorm operator. It is used only where a check
+at start finds it gives the model's logits bit for bit (capability.check_direct_decoder), so it
+reaches the same numbers by a shorter road, never other numbers.
 
 Llama-shaped: every decoder layer holds an input norm, attention of q/k/v/o projections, a
 post-attention norm and a gated MLP, with full (not sliding) attention — transformers' Llama,
