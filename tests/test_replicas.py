@@ -139,14 +139,28 @@ def _ask(url: str, prompt: str) -> tuple[str, str]:
     return raw.headers["x-lookahead-replica"], raw.parse().choices[0].message.content
 
 
-def _metric(url: str, name: str, replica: str, **labels: str) -> float:
-    """One replica's value of one series, read through any replica's /metrics."""
-    wanted = {**labels, "replica": replica}
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+def _series(url: str, name: str, **labels: str) -> dict[str, float]:
+    """Each replica's value of one series, from one /metrics read that lists both replicas.
+
+    A replica lists the others from the hub; one whose hub call fails at that moment (a hub just
+    restarted) lists only itself, so such a read is retried. A replica without the series counts 0.
+    """
+    deadline = time.monotonic() + 60
+    while True:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        replicas = set(re.findall(r'replica="([^"]+)"', text))
+        if len(replicas) == 2:
+            break
+        assert time.monotonic() < deadline, f"/metrics never listed both replicas: {sorted(replicas)}"
+        time.sleep(0.5)
+    values = dict.fromkeys(replicas, 0.0)
+    for line in text.splitlines():
         match = re.fullmatch(rf"{name}\{{(.*)\}} (\S+)", line)
-        if match and dict(re.findall(r'(\w+)="([^"]*)"', match[1])) == wanted:
-            return float(match[2])
-    return 0.0
+        if match:
+            found = dict(re.findall(r'(\w+)="([^"]*)"', match[1]))
+            if {key: value for key, value in found.items() if key != "replica"} == labels:
+                values[found["replica"]] = float(match[2])
+    return values
 
 
 def _until(check, timeout_s: float = 60.0) -> None:
@@ -166,7 +180,7 @@ def test_two_replicas_answer_exactly_and_name_themselves(served, references, tok
         assert replica
     health = httpx.get(f"{url}/health")
     assert health.status_code == 200 and health.headers["x-lookahead-replica"]
-    _until(lambda: len(_replicas(url)) == 2)  # both post their metrics to the hub
+    _series(url, "lookahead_forward_steps_total")  # both post their metrics to the hub
 
 
 @pytest.mark.slow
@@ -184,10 +198,6 @@ def test_the_page_and_its_source_stream_come_through_the_replicas(served, refere
     assert text == tokenizer.decode(references[prompt][1], skip_special_tokens=True)
 
 
-def _replicas(url: str) -> set[str]:
-    return set(re.findall(r'replica="([^"]+)"', httpx.get(f"{url}/metrics", timeout=30).text))
-
-
 def _steps(url: str) -> dict[str, float]:
     """Each replica's forward steps once its posted metrics have caught up with what it served.
 
@@ -197,7 +207,7 @@ def _steps(url: str) -> dict[str, float]:
     last: dict[str, float] = {}
     deadline = time.monotonic() + 60
     while True:
-        steps = {replica: _metric(url, "lookahead_forward_steps_total", replica) for replica in _replicas(url)}
+        steps = _series(url, "lookahead_forward_steps_total")
         if steps == last:
             return steps
         assert time.monotonic() < deadline, "the replicas' metrics never settled"
@@ -215,7 +225,7 @@ def _ask_until(url: str, prompt: str, wanted) -> str:
 
 
 def _shared(url: str, kind: str) -> dict[str, float]:
-    return {name: _metric(url, "lookahead_shared_answers", name, kind=kind) for name in _replicas(url)}
+    return _series(url, "lookahead_shared_answers", kind=kind)
 
 
 @pytest.mark.slow
@@ -253,7 +263,8 @@ def test_a_client_leaving_mid_stream_frees_its_row(served, references, tokenizer
         replica = stream.headers["x-lookahead-replica"]
         lines = (line for line in stream.iter_lines() if line)
         assert next(lines).startswith("data: {") and next(lines).startswith("data: {")
-    _until(lambda: _metric(url, "lookahead_generations_total", replica, endpoint="chat", outcome="cancelled") >= 1)
+    cancelled = {"endpoint": "chat", "outcome": "cancelled"}
+    _until(lambda: _series(url, "lookahead_generations_total", **cancelled).get(replica, 0.0) >= 1)
     prompt = PROMPTS[0]
     assert _ask(url, prompt)[1] == tokenizer.decode(references[prompt][1], skip_special_tokens=True)
 
@@ -279,11 +290,10 @@ def test_serving_goes_on_when_the_hub_dies_and_sharing_resumes(served, reference
             return False
 
     _until(renewed, timeout_s=120)  # Serve's controller starts an empty hub
-    _until(lambda: len(_replicas(url)) == 2)  # the new hub hears each replica's metrics a round after it starts
-    applied = {name: _metric(url, "lookahead_shared_answers", name, kind="applied") for name in _replicas(url)}
+    applied = _shared(url, "applied")  # the new hub hears each replica's metrics a round after it starts
     first, _ = _ask(url, "Write two sentences about autumn leaves.")
     (other,) = set(applied) - {first}
-    _until(lambda: _metric(url, "lookahead_shared_answers", other, kind="applied") > applied[other], timeout_s=60)
+    _until(lambda: _shared(url, "applied").get(other, 0.0) > applied[other], timeout_s=60)
 
 
 @pytest.mark.slow
