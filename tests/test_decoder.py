@@ -11,6 +11,7 @@ from lookahead.backends.transformers.capability import check_direct_decoder
 from lookahead.backends.transformers.decoder import DirectDecoder
 from lookahead.backends.transformers.forward import ModelForward
 from lookahead.backends.transformers.kvcache import BatchCache
+from lookahead.backends.transformers.linears import packable_dtypes, packed_linears
 from lookahead.backends.transformers.slab import SlabCache
 from lookahead.drafting.tree import DraftTree
 
@@ -45,10 +46,15 @@ def _passes(forward: ModelForward) -> list[torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", LLAMA_SHAPED)
-def test_the_direct_decoder_gives_the_models_logits_bit_for_bit(family, dtype):
+def test_the_direct_decoder_gives_the_models_logits_bit_for_bit(family, dtype, packed):
     forward = ModelForward(tiny_model(family).to(dtype))
+    if packed:
+        if dtype not in packable_dtypes():
+            pytest.skip("oneDNN computes no bfloat16 on this CPU")
+        forward.linears = packed_linears(forward.model)
     want = _passes(forward)
     check_direct_decoder(forward)
     assert forward.decoder is not None

@@ -1,17 +1,20 @@
-"""BatchCache: keep each row's accepted entries after a block, join rows, drop rows."""
+"""BatchCache: keep each row's accepted entries after a block, join rows, drop rows; RoomLayer: blocks written in
+place, equal to transformers' own layer."""
 
 import pytest
 import torch
-from transformers import DynamicCache
+from tiny_models import tiny_model
+from transformers import Cache, DynamicCache
 
-from lookahead.backends.transformers.kvcache import BatchCache
+from lookahead.backends.transformers.kvcache import GROWTH_MARGIN, BatchCache, RoomLayer, new_cache
 
 
-def _cache_with(*rows: list[float]) -> DynamicCache:
-    """A one-layer cache whose row b holds `rows[b]` (keys; values are keys * 10), padded with -1."""
+def _cache_with(*rows: list[float]) -> Cache:
+    """A one-layer cache (as the engine makes them) whose row b holds `rows[b]` (keys; values are keys * 10), padded
+    with -1."""
     width = max(map(len, rows))
     states = torch.tensor([row + [-1.0] * (width - len(row)) for row in rows]).view(len(rows), 1, width, 1)
-    cache = DynamicCache()
+    cache = Cache(layers=[RoomLayer()])
     cache.update(states.clone(), states.clone() * 10, layer_idx=0)
     return cache
 
@@ -70,3 +73,62 @@ def test_merge_pads_to_the_longest_and_select_drops_and_reorders_rows():
 def test_one_length_per_owner():
     with pytest.raises(ValueError, match="one length per owner"):
         BatchCache(_cache_with([1]), [1, 1], ["a"])
+
+
+def _block(start: int, width: int, rows: int = 1) -> torch.Tensor:
+    return torch.arange(start, start + rows * 2 * width * 3, dtype=torch.float32).view(rows, 2, width, 3)
+
+
+def _same_as_transformers(room: Cache, reference: DynamicCache) -> bool:
+    return all(
+        torch.equal(ours, theirs)
+        for mine, its in zip(room.layers, reference.layers, strict=True)
+        for ours, theirs in ((mine.keys, its.keys), (mine.values, its.values))
+    )
+
+
+def test_the_engine_caches_full_layers_in_rooms_and_keeps_sliding_ones():
+    assert all(type(layer) is RoomLayer for layer in new_cache(tiny_model("llama")).layers)
+    sliding = new_cache(tiny_model("gemma2")).layers  # every other layer slides
+    assert any(layer.is_sliding for layer in sliding) and not any(
+        layer.is_sliding for layer in sliding if isinstance(layer, RoomLayer)
+    )
+    assert any(isinstance(layer, RoomLayer) for layer in sliding)
+
+
+def test_blocks_are_written_in_place_until_the_room_is_full_then_moved_whole():
+    room, reference = Cache(layers=[RoomLayer()]), DynamicCache()
+    for cache in (room, reference):
+        cache.update(_block(0, 5), _block(1000, 5), layer_idx=0)
+    storage = room.layers[0].keys.data_ptr()
+    for step in range(GROWTH_MARGIN + 1):
+        for cache in (room, reference):
+            cache.update(_block(10 * step, 1), -_block(10 * step, 1), layer_idx=0)
+        assert _same_as_transformers(room, reference)
+        moved = room.layers[0].keys.data_ptr() != storage
+        assert moved == (step == GROWTH_MARGIN), step  # a new room only when the block does not fit
+
+
+def test_a_cut_is_overwritten_by_the_next_block():
+    room, reference = Cache(layers=[RoomLayer()]), DynamicCache()
+    for cache in (room, reference):
+        cache.update(_block(0, 6), _block(100, 6), layer_idx=0)
+        cache.crop(-4)
+        cache.update(_block(7, 2), _block(9, 2), layer_idx=0)
+    assert _same_as_transformers(room, reference) and room.get_seq_length() == 4
+
+
+def test_entries_replaced_from_outside_are_copied_into_a_new_room_and_never_written_to():
+    room, reference = Cache(layers=[RoomLayer()]), DynamicCache()
+    for cache in (room, reference):
+        cache.update(_block(0, 4, rows=3), _block(50, 4, rows=3), layer_idx=0)
+    index = torch.tensor([2, 0])
+    for cache in (room, reference):  # rows dropped, as BatchCache.select does
+        layer = cache.layers[0]
+        layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+    selected = room.layers[0].keys
+    before = selected.clone()
+    for cache in (room, reference):
+        cache.update(_block(5, 1, rows=2), _block(6, 1, rows=2), layer_idx=0)
+    assert _same_as_transformers(room, reference)
+    assert torch.equal(selected, before) and room.layers[0].keys.data_ptr() != selected.data_ptr()

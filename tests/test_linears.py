@@ -10,6 +10,8 @@ from lookahead.backends.transformers.costs import ModelMeter
 from lookahead.backends.transformers.forward import ModelForward
 from lookahead.backends.transformers.kernels import DRAFT_WIDTHS, packed_candidate, packed_from, packed_wins_from
 from lookahead.backends.transformers.linears import (
+    JOIN_ROWS,
+    JoinedLinear,
     PackedLinears,
     packable,
     packable_dtypes,
@@ -101,6 +103,45 @@ def test_only_plain_linear_layers_of_a_packable_dtype_on_the_cpu_are_packed():
     assert not packable(wrapped)
     with packed_as(None):
         pass
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_joined_layers_compute_each_layers_output_and_follow_a_changed_weight():
+    model = tiny_model("qwen2")  # q/k/v with biases
+    linears = PackedLinears(model)
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    groups = [(attention.q_proj, attention.k_proj, attention.v_proj), (mlp.gate_proj, mlp.up_proj)]
+    x = torch.randn(1, 5, model.config.hidden_size)
+    with torch.inference_mode():
+        for modules in groups:
+            parts = linears.joined(modules, x)
+            assert [part.shape for part in parts] == [(1, 5, module.out_features) for module in modules]
+            for part, module in zip(parts, modules, strict=True):
+                torch.testing.assert_close(part, linears.layers[module](module, x), rtol=0, atol=1e-5)
+        with torch.no_grad():
+            mlp.up_proj.weight.mul_(-2.0)  # in place: the joined weight is packed again
+        torch.testing.assert_close(linears.joined(groups[1], x)[1], torch.nn.functional.linear(x, mlp.up_proj.weight),
+                                   rtol=0, atol=1e-5)  # fmt: skip
+        pieces = linears.joined(groups[1], torch.randn(3, 4, model.config.hidden_size), most_rows=5)
+        assert [piece.shape for piece in pieces] == [(3, 4, module.out_features) for module in groups[1]]
+
+
+def test_layers_are_joined_only_where_packed_alike_and_as_exact_as_their_own_products(monkeypatch):
+    model = tiny_model("llama")
+    linears = PackedLinears(model)
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    width = model.config.hidden_size
+    with torch.inference_mode():
+        assert linears.joined((mlp.gate_proj, mlp.up_proj), torch.randn(1, JOIN_ROWS + 1, width)) is None  # a prompt
+        assert linears.joined((mlp.gate_proj, mlp.up_proj), torch.randn(1, 3 * JOIN_ROWS, width), JOIN_ROWS) is not None
+        attention.k_proj.bias = torch.nn.Parameter(torch.zeros(attention.k_proj.out_features))  # a bias on one only
+        assert linears.joined((attention.q_proj, attention.k_proj), torch.randn(1, 2, width)) is None
+        assert linears.joined((attention.q_proj, torch.nn.Linear(width, 4)), torch.randn(1, 2, width)) is None
+        monkeypatch.setattr(
+            JoinedLinear, "same_bits", lambda *args: False
+        )  # a shape whose joined product rounds otherwise
+        other = PackedLinears(model)
+        assert other.joined((mlp.gate_proj, mlp.up_proj), torch.randn(1, 2, width)) is None
 
 
 def _named_tiny_llama(name: str) -> torch.nn.Module:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import NamedTuple
 
@@ -31,6 +31,8 @@ from torch.nn.modules import module as module_hooks
 from transformers import Cache, PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .linears import PackedLinears
 
 _FAMILIES = frozenset(
     f"transformers.models.{name}.modeling_{name}" for name in ("llama", "qwen2", "mistral")
@@ -45,13 +47,10 @@ class _Layer(NamedTuple):
     index: int
     input_norm: torch.nn.Module
     attention: torch.nn.Module
-    q: torch.nn.Module
-    k: torch.nn.Module
-    v: torch.nn.Module
+    qkv: tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]
     o: torch.nn.Module
     post_norm: torch.nn.Module
-    gate: torch.nn.Module
-    up: torch.nn.Module
+    gate_up: tuple[torch.nn.Module, torch.nn.Module]
     down: torch.nn.Module
     act: Callable[[torch.Tensor], torch.Tensor]
 
@@ -59,9 +58,9 @@ class _Layer(NamedTuple):
     def of(cls, layer: torch.nn.Module) -> _Layer:
         """The parts of a Llama-shaped decoder layer (its attention's index is the one its cache updates use)."""
         attention, mlp = layer.self_attn, layer.mlp
-        projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)
-        return cls(attention.layer_idx, layer.input_layernorm, attention, *projections, layer.post_attention_layernorm,
-                   mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn)  # fmt: skip
+        return cls(attention.layer_idx, layer.input_layernorm, attention,
+                   (attention.q_proj, attention.k_proj, attention.v_proj), attention.o_proj,
+                   layer.post_attention_layernorm, (mlp.gate_proj, mlp.up_proj), mlp.down_proj, mlp.act_fn)  # fmt: skip
 
 
 class DirectDecoder:
@@ -109,10 +108,14 @@ class DirectDecoder:
         position_ids: torch.Tensor,
         cache: Cache,
         last_only: bool = False,
+        linears: PackedLinears | None = None,
+        most_rows: int | None = None,
         **attention_kwargs,
     ) -> torch.Tensor:
         """Logits (rows, tokens, vocab) of the block, as `model(...)` computes them; `attention_kwargs` go on to the
-        cache's update and the attention function, as the model passes its extra keywords."""
+        cache's update and the attention function, as the model passes its extra keywords. `linears` and `most_rows`:
+        the packed layers the pass runs with (linears.packed_as): a layer's q/k/v projections, and its gate and up,
+        run as one product each where they can (linears.PackedLinears.joined)."""
         hidden = self._embed(input_ids)
         mask = create_causal_mask(
             config=self.config,
@@ -130,9 +133,9 @@ class DirectDecoder:
         for layer in self._layers:
             normed = _rms_norm(layer.input_norm, hidden)
             head_shape = (*shape[:-1], -1, layer.attention.head_dim)
-            query = layer.q(normed).view(head_shape).transpose(1, 2)
-            key = layer.k(normed).view(head_shape).transpose(1, 2)
-            value = layer.v(normed).view(head_shape).transpose(1, 2)
+            query, key, value = (
+                part.view(head_shape).transpose(1, 2) for part in _products(linears, layer.qkv, normed, most_rows)
+            )
             query, key = self._rotate(query, key, cos, sin)
             key, value = cache.update(key, value, layer.index, kwargs=attention_kwargs)
             attended, _ = attend(
@@ -141,9 +144,18 @@ class DirectDecoder:
             )  # fmt: skip
             hidden = hidden + layer.o(attended.reshape(shape).contiguous())
             normed = _rms_norm(layer.post_norm, hidden)
-            hidden = hidden + layer.down(layer.act(layer.gate(normed)) * layer.up(normed))
+            gated, up = _products(linears, layer.gate_up, normed, most_rows)
+            hidden = hidden + layer.down(layer.act(gated) * up)
         hidden = _rms_norm(self._norm, hidden)
         return self._head(hidden[:, -1:] if last_only else hidden)
+
+
+def _products(
+    linears: PackedLinears | None, modules: tuple[torch.nn.Module, ...], x: torch.Tensor, most_rows: int | None
+) -> Sequence[torch.Tensor]:
+    """Each module's output for `x`: one joined product where `linears` can make it, else a call each."""
+    joined = linears.joined(modules, x, most_rows) if linears is not None else None
+    return joined if joined is not None else [module(x) for module in modules]
 
 
 def _slides(config: PretrainedConfig) -> bool:

@@ -88,9 +88,9 @@ class ModelForward:
             if not trees[0].is_chain:
                 raise ValueError("drafts verified token by token must be chains")
             attention = NODEWISE_SDPA
-        linears = self._linears(ids.numel())
-        with self._lock, attention_as(self.model, attention), packed_as(linears, self._most_rows(trees)):
-            logits = self._logits(ids, mask, positions, cache, last_only)
+        linears, most_rows = self._linears(ids.numel()), self._most_rows(trees)
+        with self._lock, attention_as(self.model, attention), packed_as(linears, most_rows):
+            logits = self._logits(ids, mask, positions, cache, last_only, linears, most_rows)
         return logits[:, -1:] if last_only else logits
 
     def _packed(
@@ -107,9 +107,11 @@ class ModelForward:
         mask = packing.root_mask  # what the model's mask preparation passes through; attention reads the packing
         cache.packing = packing
         try:
-            linears = self._linears(ids.numel())
-            with self._lock, attention_as(self.model, PACKED_SDPA), packed_as(linears, self._most_rows(trees)):
-                logits = self._logits(ids, mask, positions, cache, lookahead_packing=packing)[0]
+            linears, most_rows = self._linears(ids.numel()), self._most_rows(trees)
+            with self._lock, attention_as(self.model, PACKED_SDPA), packed_as(linears, most_rows):
+                logits = self._logits(
+                    ids, mask, positions, cache, False, linears, most_rows, lookahead_packing=packing
+                )[0]
         finally:
             cache.packing = None
         return list(logits.split([len(block) for block in blocks]))
@@ -120,13 +122,15 @@ class ModelForward:
         mask: torch.Tensor | None,
         positions: torch.Tensor,
         cache: Cache,
-        last_only: bool = False,
+        last_only: bool,
+        linears: PackedLinears | None,
+        most_rows: int | None,
         **attention_kwargs,
     ) -> torch.Tensor:
         """The model's logits of a block: through the direct decoder where it was found to give the same bits, else
-        through the model's forward."""
+        through the model's forward (whose linear layers `packed_as` has routed already)."""
         if self.decoder is not None:
-            return self.decoder(ids, mask, positions, cache, last_only, **attention_kwargs)
+            return self.decoder(ids, mask, positions, cache, last_only, linears, most_rows, **attention_kwargs)
         kwargs: dict = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "use_cache": True}
         kwargs[self._cache_keyword] = cache
         if last_only and self._takes_logits_to_keep:

@@ -9,6 +9,10 @@ tail is cut at the new longest row. No copy of the older cache is made.
 
 Joining rows are concatenated on the batch dimension (padded to the common length) and
 leaving rows are dropped by index, which transformers' cache has no call for.
+
+Full-attention layers are `RoomLayer`s: transformers' `DynamicLayer` appends a block by
+concatenation, copying the layer's whole cache every step; here a block is written into spare
+columns after the entries, and only a full room is copied (into one with spare columns again).
 """
 
 from __future__ import annotations
@@ -18,19 +22,76 @@ from collections.abc import Hashable, Sequence
 import torch
 import torch.nn.functional as F
 from transformers import Cache, DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+GROWTH_MARGIN = 128
+"""Spare columns a cache gets past its longest row when it is built or outgrows its room, for the next blocks."""
 
 
 def new_cache(model: PreTrainedModel) -> Cache:
-    """An empty cache that records the full past on sliding-window layers.
+    """An empty cache: full-attention layers with room to grow in place; sliding-window layers recording the full past.
 
     Sliding layers otherwise forget tokens beyond their window during the tree forward,
     before we know which of the block's entries will be kept.
     """
     cache = DynamicCache(config=model.config)
-    for layer in cache.layers:
+    for number, layer in enumerate(cache.layers):
         if getattr(layer, "is_sliding", False):
             layer.activate_past_recording()
+        elif type(layer) is DynamicLayer:
+            cache.layers[number] = RoomLayer()
     return cache
+
+
+class RoomLayer(DynamicLayer):
+    """A full-attention layer whose keys and values are the first columns of a larger room; a block is written after
+    them in place.
+
+    Whoever replaces `keys` and `values` with other tensors (a batch merged, rows selected) is free to: the next
+    update sees they are no longer the start of this layer's room and copies them into a new one. Cutting them
+    (`crop`, compaction) keeps them the start of the room, and the next block overwrites what was cut.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._room: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length = self.get_seq_length()
+        end = length + key_states.shape[-2]
+        if not self._holds(end, key_states):
+            self._room = (self._roomy(self.keys, key_states, length), self._roomy(self.values, value_states, length))
+        keys, values = self._room
+        keys[..., length:end, :] = key_states
+        values[..., length:end, :] = value_states
+        self.keys, self.values = keys[..., :end, :], values[..., :end, :]
+        return self.keys, self.values
+
+    def _holds(self, end: int, states: torch.Tensor) -> bool:
+        """Whether the entries are still the start of this layer's room, and the room reaches `end`."""
+        if self._room is None:
+            return False
+        return all(
+            end <= room.shape[-2]
+            and held.data_ptr() == room.data_ptr()
+            and held.stride() == room.stride()
+            and held.shape[:2] == room.shape[:2]
+            and room.dtype == states.dtype
+            for held, room in zip((self.keys, self.values), self._room, strict=True)
+        )
+
+    @staticmethod
+    def _roomy(held: torch.Tensor, states: torch.Tensor, length: int) -> torch.Tensor:
+        """A new room for `length` held entries, a block like `states` and GROWTH_MARGIN columns more."""
+        batch, heads, width, dim = states.shape
+        room = states.new_empty((batch, heads, length + width + GROWTH_MARGIN, dim))
+        if length:
+            room[..., :length, :] = held
+        return room
 
 
 def has_sliding_layers(cache: Cache) -> bool:

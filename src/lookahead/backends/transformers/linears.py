@@ -30,10 +30,14 @@ import contextlib
 import functools
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+
+JOIN_ROWS = 64
+"""Most rows a joined product takes (a wider one, a prompt's, is made layer by layer): every width up to it is checked
+to give the layers' own bits."""
 
 
 @dataclass
@@ -54,13 +58,63 @@ class PackedLinear:
             if not _packable_weight(weight):  # moved to another dtype or device since: the layer computes itself
                 return torch.nn.functional.linear(x, weight, module.bias)
             self.__dict__.update(vars(pack(module)))  # changed since: packed again, before it is used
-        if most_rows is None or x.numel() <= most_rows * x.shape[-1]:
-            return self._product(module, x)
-        pieces = [self._product(module, piece) for piece in x.reshape(-1, x.shape[-1]).split(most_rows)]
-        return torch.cat(pieces).reshape(*x.shape[:-1], -1)
+        return _product(x, self.packed, module.bias, most_rows)
 
-    def _product(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, module.bias, "none", [], "")
+
+@dataclass
+class JoinedLinear:
+    """Linear layers that read the same input (a layer's q/k/v projections, its MLP's gate and up) packed as one
+    weight: one product instead of several, split after. On a CPU each product has a price of its own besides the
+    weight it reads, and small weights are read slower than large ones."""
+
+    weights: tuple[torch.Tensor, ...]
+    versions: tuple[tuple[int, int], ...]
+    """Each weight's version counter and data address when packed (see PackedLinear)."""
+    packed: torch.Tensor
+    bias: torch.Tensor | None
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, modules: tuple[torch.nn.Linear, ...]) -> JoinedLinear:
+        weights = tuple(module.weight for module in modules)
+        biases = [module.bias for module in modules]
+        with torch.no_grad():
+            packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([w.detach() for w in weights]), None)
+            bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        versions = tuple((weight._version, weight.data_ptr()) for weight in weights)
+        return cls(weights, versions, packed, bias, tuple(weight.shape[0] for weight in weights))
+
+    def current(self, modules: tuple[torch.nn.Linear, ...]) -> bool:
+        """Whether every layer still has the weight this was packed from, unchanged."""
+        return all(
+            module.weight is weight and (weight._version, weight.data_ptr()) == version
+            for module, weight, version in zip(modules, self.weights, self.versions, strict=True)
+        )
+
+    def __call__(self, x: torch.Tensor, most_rows: int | None) -> tuple[torch.Tensor, ...]:
+        return _product(x, self.packed, self.bias, most_rows).split(self.sizes, dim=-1)
+
+    def same_bits(self, modules: tuple[torch.nn.Linear, ...], layers: Sequence[PackedLinear]) -> bool:
+        """Whether each part equals its layer's own packed product in every bit, for every width up to JOIN_ROWS
+        rows (oneDNN picks its kernel by shape, so random inputs of each width answer for all inputs)."""
+        generator = torch.Generator().manual_seed(0)
+        features = self.weights[0].shape[1]
+        with torch.inference_mode():
+            for rows in range(1, JOIN_ROWS + 1):
+                x = torch.randn(rows, features, generator=generator).to(self.weights[0].dtype)
+                own = [layer(module, x) for module, layer in zip(modules, layers, strict=True)]
+                if not all(map(torch.equal, self(x, None), own)):
+                    return False
+        return True
+
+
+def _product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, most_rows: int | None) -> torch.Tensor:
+    """`x` times a packed weight (plus `bias`); with `most_rows`, in products of at most that many rows."""
+    if most_rows is None or x.numel() <= most_rows * x.shape[-1]:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    rows = x.reshape(-1, x.shape[-1]).split(most_rows)
+    pieces = [torch.ops.mkldnn._linear_pointwise(piece, packed, bias, "none", [], "") for piece in rows]
+    return torch.cat(pieces).reshape(*x.shape[:-1], -1)
 
 
 class PackedLinears:
@@ -71,6 +125,10 @@ class PackedLinears:
             module: pack(module) for module in model.modules() if packable(module)
         }
         self._forwards: dict[int | None, dict[torch.nn.Linear, functools.partial]] = {}
+        self._joined: dict[tuple[torch.nn.Linear, ...], JoinedLinear | None] = {}
+        """Joined products made so far (None: those layers are not joined)."""
+        self._same_bits: dict[tuple, bool] = {}
+        """Whether joined products of a shape give their layers' bits (JoinedLinear.same_bits), by shape."""
         self.verdicts: dict[str, int | None] = {}
         """From how many tokens a pass measured faster packed, by what the measurement depends on
         (kernels.packed_from; None: never)."""
@@ -86,6 +144,33 @@ class PackedLinears:
                 module: functools.partial(layer, module, most_rows=most_rows) for module, layer in self.layers.items()
             }
         return self._forwards[most_rows]
+
+    def joined(
+        self, modules: tuple[torch.nn.Linear, ...], x: torch.Tensor, most_rows: int | None = None
+    ) -> tuple[torch.Tensor, ...] | None:
+        """Each layer's output for `x` from one product of their weights packed as one, with the bits of their own
+        products; None where they are not joined (a product of more than JOIN_ROWS rows, a layer not packed here,
+        biases on some, a shape whose joined product rounds otherwise). Made at the first call, again after a
+        weight changed."""
+        rows = x.numel() // x.shape[-1]
+        if min(rows, most_rows or rows) > JOIN_ROWS:
+            return None
+        joined = self._joined.get(modules, False)
+        if joined is False or (joined is not None and not joined.current(modules)):
+            joined = self._joined[modules] = self._join(modules)
+        return None if joined is None else joined(x, most_rows)
+
+    def _join(self, modules: tuple[torch.nn.Linear, ...]) -> JoinedLinear | None:
+        if not all(module in self.layers and _packable_weight(module.weight) for module in modules):
+            return None
+        kinds = {(module.weight.dtype, module.weight.shape[1], module.bias is not None) for module in modules}
+        if len(kinds) != 1:
+            return None
+        joined = JoinedLinear.of(modules)
+        shape = (*kinds, joined.sizes, torch.get_num_threads())
+        if shape not in self._same_bits:
+            self._same_bits[shape] = joined.same_bits(modules, [self.layers[module] for module in modules])
+        return joined if self._same_bits[shape] else None
 
 
 _shared: weakref.WeakKeyDictionary[torch.nn.Module, PackedLinears] = weakref.WeakKeyDictionary()

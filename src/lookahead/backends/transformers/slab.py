@@ -36,10 +36,7 @@ import torch
 from transformers import Cache
 from transformers.cache_utils import CacheLayerMixin
 
-from .kvcache import BatchCache
-
-GROWTH_MARGIN = 128
-"""Columns of room a slab gets beyond its longest row when built or grown, for the next blocks."""
+from .kvcache import GROWTH_MARGIN, BatchCache
 
 
 class Draft(NamedTuple):
