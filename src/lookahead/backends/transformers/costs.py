@@ -22,7 +22,7 @@ def runtime_key(forward: ModelForward) -> str:
     if forward.attention is not None:  # another attention function, other costs
         key += f"|attention={forward.attention}"
     if forward.decoder is not None:  # the layers as one loop: less time around the arithmetic
-        key += "|layers=direct-joined"  # and packed layers joined where they read the same input
+        key += "|layers=direct-joined" if forward.linears is not None else "|layers=direct"
     return key if name else ""
 
 

@@ -5,9 +5,12 @@ arithmetic (benchmarks/NOTES.md): module calls that only pass keyword arguments 
 RMSNorm written as eight operators. This loop makes the same calls on the same modules and
 weights — the model's embedding, rotary embedding and rotation, its linear layers (packed ones
 too: linears.packed_as swaps their forwards), its cache's `update`, the attention function the
-pass is set to — and the norms as torch's one RMSNorm operator. It is used only where a check
-at start finds it gives the model's logits bit for bit (capability.check_direct_decoder), so it
-reaches the same numbers by a shorter road, never other numbers.
+pass is set to — and the norms as torch's one RMSNorm operator; where packed layers run, a
+layer's q/k/v projections, and its gate and up, are one product each, on shapes where that keeps
+every bit of the separate products (linears.PackedLinears.joined; never on layers with hooks).
+It is used only where a check at start finds it gives the model's logits bit for bit
+(capability.check_direct_decoder), so it reaches the same numbers by a shorter road, never other
+numbers.
 
 Llama-shaped: every decoder layer holds an input norm, attention of q/k/v/o projections, a
 post-attention norm and a gated MLP, with full (not sliding) attention — transformers' Llama,
@@ -54,13 +57,17 @@ class _Layer(NamedTuple):
     down: torch.nn.Module
     act: Callable[[torch.Tensor], torch.Tensor]
 
+    joins: bool
+    """Whether qkv and gate_up may run as joined products: none of them has hooks or a replaced forward."""
+
     @classmethod
     def of(cls, layer: torch.nn.Module) -> _Layer:
         """The parts of a Llama-shaped decoder layer (its attention's index is the one its cache updates use)."""
         attention, mlp = layer.self_attn, layer.mlp
-        return cls(attention.layer_idx, layer.input_layernorm, attention,
-                   (attention.q_proj, attention.k_proj, attention.v_proj), attention.o_proj,
-                   layer.post_attention_layernorm, (mlp.gate_proj, mlp.up_proj), mlp.down_proj, mlp.act_fn)  # fmt: skip
+        qkv, gate_up = (attention.q_proj, attention.k_proj, attention.v_proj), (mlp.gate_proj, mlp.up_proj)
+        joins = not any(_hooked(module) for module in (*qkv, *gate_up))
+        return cls(attention.layer_idx, layer.input_layernorm, attention, qkv, attention.o_proj,
+                   layer.post_attention_layernorm, gate_up, mlp.down_proj, mlp.act_fn, joins)  # fmt: skip
 
 
 class DirectDecoder:
@@ -134,7 +141,8 @@ class DirectDecoder:
             normed = _rms_norm(layer.input_norm, hidden)
             head_shape = (*shape[:-1], -1, layer.attention.head_dim)
             query, key, value = (
-                part.view(head_shape).transpose(1, 2) for part in _products(linears, layer.qkv, normed, most_rows)
+                part.view(head_shape).transpose(1, 2)
+                for part in _products(linears if layer.joins else None, layer.qkv, normed, most_rows)
             )
             query, key = self._rotate(query, key, cos, sin)
             key, value = cache.update(key, value, layer.index, kwargs=attention_kwargs)
@@ -144,7 +152,7 @@ class DirectDecoder:
             )  # fmt: skip
             hidden = hidden + layer.o(attended.reshape(shape).contiguous())
             normed = _rms_norm(layer.post_norm, hidden)
-            gated, up = _products(linears, layer.gate_up, normed, most_rows)
+            gated, up = _products(linears if layer.joins else None, layer.gate_up, normed, most_rows)
             hidden = hidden + layer.down(layer.act(gated) * up)
         hidden = _rms_norm(self._norm, hidden)
         return self._head(hidden[:, -1:] if last_only else hidden)

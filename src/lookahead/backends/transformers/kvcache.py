@@ -47,51 +47,82 @@ class RoomLayer(DynamicLayer):
     """A full-attention layer whose keys and values are the first columns of a larger room; a block is written after
     them in place.
 
-    Whoever replaces `keys` and `values` with other tensors (a batch merged, rows selected) is free to: the next
-    update sees they are no longer the start of this layer's room and copies them into a new one. Cutting them
-    (`crop`, compaction) keeps them the start of the room, and the next block overwrites what was cut.
+    Every assignment of `keys` and `values` passes through here: one that is not the start of the room (a batch
+    merged, rows selected, the layer emptied) lets the room go at once, and the next update copies what it was given
+    into a new one. Cutting them (`crop`, compaction) keeps them the start of the room, and the next block overwrites
+    what was cut. A room is made in the mode it is written in (one made under `torch.inference_mode()` cannot be
+    written outside it).
     """
 
     def __init__(self) -> None:
-        super().__init__()
         self._room: tuple[torch.Tensor, torch.Tensor] | None = None
+        super().__init__()
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._keys
+
+    @keys.setter
+    def keys(self, states: torch.Tensor | None) -> None:
+        self._keys = states
+        self._keep_room(states, 0)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._values
+
+    @values.setter
+    def values(self, states: torch.Tensor | None) -> None:
+        self._values = states
+        self._keep_room(states, 1)
+
+    def _keep_room(self, states: torch.Tensor | None, part: int) -> None:
+        """Let the room go unless `states` start where its keys (part 0) or values (part 1) do."""
+        if self._room is not None and (states is None or states.data_ptr() != self._room[part].data_ptr()):
+            self._room = None
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the block after the entries (into a new room first where it does not fit); all entries so far."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         length = self.get_seq_length()
         end = length + key_states.shape[-2]
-        if not self._holds(end, key_states):
-            self._room = (self._roomy(self.keys, key_states, length), self._roomy(self.values, value_states, length))
+        blocks = (key_states, value_states)
+        if not self._holds(end, blocks):
+            self._room = (_roomy(self.keys, key_states, length), _roomy(self.values, value_states, length))
         keys, values = self._room
         keys[..., length:end, :] = key_states
         values[..., length:end, :] = value_states
         self.keys, self.values = keys[..., :end, :], values[..., :end, :]
         return self.keys, self.values
 
-    def _holds(self, end: int, states: torch.Tensor) -> bool:
-        """Whether the entries are still the start of this layer's room, and the room reaches `end`."""
+    def _holds(self, end: int, blocks: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        """Whether the room reaches `end`, takes blocks like these, and holds the entries at its start."""
         if self._room is None:
             return False
         return all(
             end <= room.shape[-2]
-            and held.data_ptr() == room.data_ptr()
-            and held.stride() == room.stride()
-            and held.shape[:2] == room.shape[:2]
-            and room.dtype == states.dtype
-            for held, room in zip((self.keys, self.values), self._room, strict=True)
+            and (room.shape[:2], room.shape[-1]) == (block.shape[:2], block.shape[-1])
+            and (room.dtype, room.device) == (block.dtype, block.device)
+            and room.is_inference() == torch.is_inference_mode_enabled()
+            and (held.shape[:2], held.stride()) == (room.shape[:2], room.stride())
+            for held, room, block in zip((self.keys, self.values), self._room, blocks, strict=True)
         )
 
-    @staticmethod
-    def _roomy(held: torch.Tensor, states: torch.Tensor, length: int) -> torch.Tensor:
-        """A new room for `length` held entries, a block like `states` and GROWTH_MARGIN columns more."""
-        batch, heads, width, dim = states.shape
-        room = states.new_empty((batch, heads, length + width + GROWTH_MARGIN, dim))
-        if length:
-            room[..., :length, :] = held
-        return room
+
+def _roomy(held: torch.Tensor, block: torch.Tensor, length: int) -> torch.Tensor:
+    """A new room for `length` held entries, a block like `block` and GROWTH_MARGIN columns more."""
+    batch, heads, width, dim = block.shape
+    if length and ((held.shape[:2], held.shape[-1], held.dtype) != ((batch, heads), dim, block.dtype)):
+        raise ValueError(
+            f"a block of {tuple(block.shape)} {block.dtype} cannot follow {tuple(held.shape)} {held.dtype}"
+        )
+    room = block.new_empty((batch, heads, length + width + GROWTH_MARGIN, dim))
+    if length:
+        room[..., :length, :] = held
+    return room
 
 
 def has_sliding_layers(cache: Cache) -> bool:

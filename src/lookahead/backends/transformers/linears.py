@@ -22,6 +22,11 @@ attention sums a block otherwise): in float32, exactness is of tokens, held agai
 by the tests, as on every backend. In bfloat16 a product of up to some number of rows may give
 each row the bits of its one-row product, and a wider one not; `packed_as` then makes wider
 products in pieces that do (capability.settle_rounding finds the number).
+
+Layers that read the same input (a layer's q/k/v projections, its MLP's gate and up) can be
+joined into one packed product (`PackedLinears.joined`, which the direct decoder calls) where
+that gives each layer's own bits; the joined copies cost those weights' memory once more.
+`LookaheadConfig(linears="model")` keeps the model's own layers and packs nothing.
 """
 
 from __future__ import annotations
@@ -67,45 +72,52 @@ class JoinedLinear:
     weight: one product instead of several, split after. On a CPU each product has a price of its own besides the
     weight it reads, and small weights are read slower than large ones."""
 
-    weights: tuple[torch.Tensor, ...]
-    versions: tuple[tuple[int, int], ...]
-    """Each weight's version counter and data address when packed (see PackedLinear)."""
+    tensors: tuple[torch.Tensor | None, ...]
+    """Each layer's weight and bias when packed (kept, so that their identities stay theirs)."""
+    stamps: tuple[tuple[int, int, int] | None, ...]
+    threads: int
+    """Threads when packed: the kernel, and so the bits, may depend on them."""
     packed: torch.Tensor
     bias: torch.Tensor | None
     sizes: tuple[int, ...]
 
     @classmethod
     def of(cls, modules: tuple[torch.nn.Linear, ...]) -> JoinedLinear:
-        weights = tuple(module.weight for module in modules)
-        biases = [module.bias for module in modules]
+        """The layers' weights (and biases, where every layer has one) packed as one."""
+        tensors = tuple(tensor for module in modules for tensor in (module.weight, module.bias))
         with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([w.detach() for w in weights]), None)
-            bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-        versions = tuple((weight._version, weight.data_ptr()) for weight in weights)
-        return cls(weights, versions, packed, bias, tuple(weight.shape[0] for weight in weights))
+            packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([m.weight.detach() for m in modules]), None)
+            biased = modules[0].bias is not None
+            bias = torch.cat([module.bias.detach() for module in modules]) if biased else None
+        sizes = tuple(module.weight.shape[0] for module in modules)
+        return cls(tensors, tuple(map(_stamp, tensors)), torch.get_num_threads(), packed, bias, sizes)
 
     def current(self, modules: tuple[torch.nn.Linear, ...]) -> bool:
-        """Whether every layer still has the weight this was packed from, unchanged."""
-        return all(
-            module.weight is weight and (weight._version, weight.data_ptr()) == version
-            for module, weight, version in zip(modules, self.weights, self.versions, strict=True)
-        )
+        """Whether every layer still has the weight and bias this was packed from, unchanged, on as many threads."""
+        stamps = tuple(_stamp(tensor) for module in modules for tensor in (module.weight, module.bias))
+        return stamps == self.stamps and torch.get_num_threads() == self.threads
 
     def __call__(self, x: torch.Tensor, most_rows: int | None) -> tuple[torch.Tensor, ...]:
+        """Each layer's output for `x` (products of at most `most_rows` rows; None: any)."""
         return _product(x, self.packed, self.bias, most_rows).split(self.sizes, dim=-1)
 
     def same_bits(self, modules: tuple[torch.nn.Linear, ...], layers: Sequence[PackedLinear]) -> bool:
         """Whether each part equals its layer's own packed product in every bit, for every width up to JOIN_ROWS
         rows (oneDNN picks its kernel by shape, so random inputs of each width answer for all inputs)."""
         generator = torch.Generator().manual_seed(0)
-        features = self.weights[0].shape[1]
+        features = modules[0].weight.shape[1]
         with torch.inference_mode():
             for rows in range(1, JOIN_ROWS + 1):
-                x = torch.randn(rows, features, generator=generator).to(self.weights[0].dtype)
+                x = torch.randn(rows, features, generator=generator).to(modules[0].weight.dtype)
                 own = [layer(module, x) for module, layer in zip(modules, layers, strict=True)]
                 if not all(map(torch.equal, self(x, None), own)):
                     return False
         return True
+
+
+def _stamp(tensor: torch.Tensor | None) -> tuple[int, int, int] | None:
+    """What tells a tensor is the one it was, unchanged: identity, version counter (in-place changes) and address."""
+    return None if tensor is None else (id(tensor), tensor._version, tensor.data_ptr())
 
 
 def _product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, most_rows: int | None) -> torch.Tensor:
@@ -127,8 +139,9 @@ class PackedLinears:
         self._forwards: dict[int | None, dict[torch.nn.Linear, functools.partial]] = {}
         self._joined: dict[tuple[torch.nn.Linear, ...], JoinedLinear | None] = {}
         """Joined products made so far (None: those layers are not joined)."""
-        self._same_bits: dict[tuple, bool] = {}
-        """Whether joined products of a shape give their layers' bits (JoinedLinear.same_bits), by shape."""
+        self._same_bits: dict[tuple[object, ...], bool] = {}
+        """Whether joined products of a shape give their layers' bits (JoinedLinear.same_bits), by dtype, input
+        width, bias, output sizes and threads."""
         self.verdicts: dict[str, int | None] = {}
         """From how many tokens a pass measured faster packed, by what the measurement depends on
         (kernels.packed_from; None: never)."""
@@ -151,23 +164,24 @@ class PackedLinears:
         """Each layer's output for `x` from one product of their weights packed as one, with the bits of their own
         products; None where they are not joined (a product of more than JOIN_ROWS rows, a layer not packed here,
         biases on some, a shape whose joined product rounds otherwise). Made at the first call, again after a
-        weight changed."""
+        weight, a bias or the thread count changed. The layers' hooks do not run: join only layers without."""
         rows = x.numel() // x.shape[-1]
         if min(rows, most_rows or rows) > JOIN_ROWS:
             return None
-        joined = self._joined.get(modules, False)
-        if joined is False or (joined is not None and not joined.current(modules)):
+        joined = self._joined.get(modules)
+        if modules not in self._joined or (joined is not None and not joined.current(modules)):
             joined = self._joined[modules] = self._join(modules)
         return None if joined is None else joined(x, most_rows)
 
     def _join(self, modules: tuple[torch.nn.Linear, ...]) -> JoinedLinear | None:
+        """The layers joined, where they are packed here alike and a joined product of their shape keeps the bits."""
         if not all(module in self.layers and _packable_weight(module.weight) for module in modules):
             return None
         kinds = {(module.weight.dtype, module.weight.shape[1], module.bias is not None) for module in modules}
         if len(kinds) != 1:
             return None
         joined = JoinedLinear.of(modules)
-        shape = (*kinds, joined.sizes, torch.get_num_threads())
+        shape = (*kinds, joined.sizes, joined.threads)
         if shape not in self._same_bits:
             self._same_bits[shape] = joined.same_bits(modules, [self.layers[module] for module in modules])
         return joined if self._same_bits[shape] else None
