@@ -163,8 +163,9 @@ class PackedLinears:
     ) -> tuple[torch.Tensor, ...] | None:
         """Each layer's output for `x` from one product of their weights packed as one, with the bits of their own
         products; None where they are not joined (a product of more than JOIN_ROWS rows, a layer not packed here,
-        biases on some, a shape whose joined product rounds otherwise). Made at the first call, again after a
-        weight, a bias or the thread count changed. The layers' hooks do not run: join only layers without."""
+        biases on some, a shape whose joined product rounds otherwise: decided at the first call). A joined product
+        is made again after a weight, a bias or the thread count changed. The layers' hooks do not run: join only
+        layers without."""
         rows = x.numel() // x.shape[-1]
         if min(rows, most_rows or rows) > JOIN_ROWS:
             return None
