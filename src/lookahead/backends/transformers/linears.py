@@ -181,8 +181,10 @@ class PackedLinears:
         kinds = {(module.weight.dtype, module.weight.shape[1], module.bias is not None) for module in modules}
         if len(kinds) != 1:
             return None
+        shape = (*kinds, tuple(module.weight.shape[0] for module in modules), torch.get_num_threads())
+        if self._same_bits.get(shape) is False:
+            return None  # known to round otherwise: not packed for nothing
         joined = JoinedLinear.of(modules)
-        shape = (*kinds, joined.sizes, joined.threads)
         if shape not in self._same_bits:
             self._same_bits[shape] = joined.same_bits(modules, [self.layers[module] for module in modules])
         return joined if self._same_bits[shape] else None
