@@ -48,8 +48,24 @@ def test_masked_blocks_skip_transformers_sdpa_and_a_single_sequence_does_not(mon
     with torch.inference_mode():
         cache = forward.new_cache()
         forward(cache, [1, 2, 3], 0)  # causal, no mask needed: transformers' own grouped path
-        forward(cache, [4], 3)  # one query: transformers packs the groups itself
-    assert handed_over == [3, 3, 1, 1]  # per layer
+        forward(cache, [4], 3)  # one query without a mask: torch's SDPA directly, the call transformers makes
+    assert handed_over == [3, 3]  # per layer
+
+
+@pytest.mark.parametrize("head_dim", [64, 320])
+def test_a_lone_query_gets_transformers_bits_and_wide_heads_go_to_transformers(monkeypatch, head_dim):
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    generator = torch.Generator().manual_seed(head_dim)
+    query, key, value = (torch.randn(1, heads, length, head_dim, generator=generator) for heads, length in
+                         ((6, 1), (2, 37), (2, 37)))  # fmt: skip
+    want, _ = attention.sdpa_attention_forward(module, query, key, value, None, scaling=0.125)
+    handed_over = []
+    stock = attention.sdpa_attention_forward
+    monkeypatch.setattr(attention, "sdpa_attention_forward", lambda *a, **k: handed_over.append(1) or stock(*a, **k))
+    got, _ = attention.grouped_sdpa_forward(module, query, key, value, None, scaling=0.125)
+    assert torch.equal(got, want)
+    assert handed_over == ([] if head_dim <= 256 else [1])  # transformers packs groups otherwise for wider heads
 
 
 def test_the_model_is_switched_for_the_pass_only():

@@ -112,3 +112,18 @@ def test_the_switch_turns_the_loop_off():
     assert LookaheadEngine(model, None, LookaheadConfig()).backend.forward.decoder is not None
     assert LookaheadEngine(model, None, LookaheadConfig(direct_layers=False)).backend.forward.decoder is None
     assert LookaheadConfig.parse("direct_layers=false").direct_layers is False
+
+
+def test_a_hooked_linear_layer_is_called_as_a_module_and_its_hook_runs():
+    model = tiny_model("llama")
+    forward = ModelForward(model)
+    check_direct_decoder(forward)
+    plain = _passes(forward)
+    model.model.layers[1].self_attn.q_proj.register_forward_hook(lambda module, inputs, output: output * 2)
+    hooked = ModelForward(model)
+    check_direct_decoder(hooked)
+    assert hooked.decoder is not None  # hooks on a linear layer leave the loop on, calling that layer as a module
+    got = _passes(hooked)
+    hooked.decoder = None
+    assert all(torch.equal(a, b) for a, b in zip(got, _passes(hooked), strict=True))  # the model's own, hook and all
+    assert not torch.equal(got[0], plain[0])

@@ -2,12 +2,16 @@
 
 A one-token step of a small model on a CPU spends a measurable share of its time around the
 arithmetic (benchmarks/NOTES.md): module calls that only pass keyword arguments on, and an
-RMSNorm written as eight operators. This loop makes the same calls on the same modules and
-weights — the model's embedding, rotary embedding and rotation, its linear layers (packed ones
-too: linears.packed_as swaps their forwards), its cache's `update`, the attention function the
-pass is set to — and the norms as torch's one RMSNorm operator; where packed layers run, a
-layer's q/k/v projections, and its gate and up, are one product each, on shapes where that keeps
-every bit of the separate products (linears.PackedLinears.joined; never on layers with hooks).
+RMSNorm written as eight operators. This loop computes the same products and sums on the same
+modules and weights — the model's embedding and rotary embedding, its linear layers (packed ones
+too: linears.packed_as swaps their forwards; on the model's own layers, torch's `linear` on their
+weights, without a module call), its cache's `update`, the attention function the pass is set to
+— with fewer operators where that keeps every bit: the norms as torch's one RMSNorm operator, the
+rotation as one roll of each head against a sine whose first half is negated (the model's
+rotation negates the head's second half instead: the same products), and where packed layers
+run, a layer's q/k/v projections, and its gate and up, as one product each on shapes where that
+keeps every bit of the separate products (linears.PackedLinears.joined; never on layers with
+hooks).
 It is used only where a check at start finds it gives the model's logits bit for bit
 (capability.check_direct_decoder), so it reaches the same numbers by a shorter road, never other
 numbers.
@@ -35,11 +39,15 @@ from transformers import Cache, PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .attention import GROUPED_SDPA, NODEWISE_SDPA
 from .linears import PackedLinears
 
 _FAMILIES = frozenset(
     f"transformers.models.{name}.modeling_{name}" for name in ("llama", "qwen2", "mistral")
 )  # every layer: input norm, q/k/v/o attention, post-attention norm, gated MLP; RMSNorm as Llama's
+_UNMASKED_STEPS = frozenset({"sdpa", GROUPED_SDPA, NODEWISE_SDPA})
+"""Attention whose mask for one token of one row, nothing padded, is none at all (transformers' SDPA masks, which
+ours take)."""
 _CACHE_KEYWORD = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
 """What transformers' mask helper calls the cache (renamed during 5.x, as the model's forward's: forward.py)."""
 
@@ -59,6 +67,9 @@ class _Layer(NamedTuple):
 
     joins: bool
     """Whether qkv and gate_up may run as joined products: none of them has hooks or a replaced forward."""
+    plain: bool
+    """Whether every linear layer is torch's own `Linear`, with nothing hooked: a pass on the model's own layers
+    calls `F.linear` on their weights (a module call costs a few microseconds, two hundred of them a step)."""
 
     @classmethod
     def of(cls, layer: torch.nn.Module) -> _Layer:
@@ -66,8 +77,10 @@ class _Layer(NamedTuple):
         attention, mlp = layer.self_attn, layer.mlp
         qkv, gate_up = (attention.q_proj, attention.k_proj, attention.v_proj), (mlp.gate_proj, mlp.up_proj)
         joins = not any(_hooked(module) for module in (*qkv, *gate_up))
+        linears = (*qkv, attention.o_proj, *gate_up, mlp.down_proj)
+        plain = all(type(module) is torch.nn.Linear and not _hooked(module) for module in linears)
         return cls(attention.layer_idx, layer.input_layernorm, attention, qkv, attention.o_proj,
-                   layer.post_attention_layernorm, gate_up, mlp.down_proj, mlp.act_fn, joins)  # fmt: skip
+                   layer.post_attention_layernorm, gate_up, mlp.down_proj, mlp.act_fn, joins, plain)  # fmt: skip
 
 
 class DirectDecoder:
@@ -82,7 +95,6 @@ class DirectDecoder:
             inner.norm,
             model.lm_head,
         )
-        self._rotate: Callable = modeling.apply_rotary_pos_emb
         self._eager: Callable = modeling.eager_attention_forward
         self._layers = [_Layer.of(layer) for layer in inner.layers[: self.config.num_hidden_layers]]
 
@@ -124,46 +136,79 @@ class DirectDecoder:
         the packed layers the pass runs with (linears.packed_as): a layer's q/k/v projections, and its gate and up,
         run as one product each where they can (linears.PackedLinears.joined)."""
         hidden = self._embed(input_ids)
-        mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=hidden,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            **{_CACHE_KEYWORD: cache},
-        )
-        cos, sin = self._rotary(hidden, position_ids=position_ids)
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self._layers[0].attention.config._attn_implementation, self._eager
-        )
+        implementation = self._layers[0].attention.config._attn_implementation
+        mask = None
+        if not _unmasked_step(input_ids, attention_mask, implementation):
+            mask = create_causal_mask(
+                config=self.config,
+                inputs_embeds=hidden,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                **{_CACHE_KEYWORD: cache},
+            )
+        cos, sin = _rotation(*self._rotary(hidden, position_ids=position_ids))
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, self._eager)
         attention_kwargs = {"position_ids": position_ids, "use_cache": True, **attention_kwargs}  # as the model passes
         shape = (*hidden.shape[:-1], -1)
         for layer in self._layers:
+            direct = linears is None and layer.plain
             normed = _rms_norm(layer.input_norm, hidden)
             head_shape = (*shape[:-1], -1, layer.attention.head_dim)
             query, key, value = (
                 part.view(head_shape).transpose(1, 2)
-                for part in _products(linears if layer.joins else None, layer.qkv, normed, most_rows)
+                for part in _products(linears if layer.joins else None, layer.qkv, normed, most_rows, direct)
             )
-            query, key = self._rotate(query, key, cos, sin)
+            query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
             key, value = cache.update(key, value, layer.index, kwargs=attention_kwargs)
             attended, _ = attend(
                 layer.attention, query, key, value, mask, dropout=0.0, scaling=layer.attention.scaling,
                 **attention_kwargs,
             )  # fmt: skip
-            hidden = hidden + layer.o(attended.reshape(shape).contiguous())
+            hidden = hidden + _product(layer.o, attended.reshape(shape).contiguous(), direct)
             normed = _rms_norm(layer.post_norm, hidden)
-            gated, up = _products(linears if layer.joins else None, layer.gate_up, normed, most_rows)
-            hidden = hidden + layer.down(layer.act(gated) * up)
+            gated, up = _products(linears if layer.joins else None, layer.gate_up, normed, most_rows, direct)
+            hidden = hidden + _product(layer.down, layer.act(gated) * up, direct)
         hidden = _rms_norm(self._norm, hidden)
         return self._head(hidden[:, -1:] if last_only else hidden)
 
 
 def _products(
-    linears: PackedLinears | None, modules: tuple[torch.nn.Module, ...], x: torch.Tensor, most_rows: int | None
+    linears: PackedLinears | None,
+    modules: tuple[torch.nn.Module, ...],
+    x: torch.Tensor,
+    most_rows: int | None,
+    direct: bool,
 ) -> Sequence[torch.Tensor]:
-    """Each module's output for `x`: one joined product where `linears` can make it, else a call each."""
+    """Each module's output for `x`: one joined product where `linears` can make it, else one product each."""
     joined = linears.joined(modules, x, most_rows) if linears is not None else None
-    return joined if joined is not None else [module(x) for module in modules]
+    return joined if joined is not None else [_product(module, x, direct) for module in modules]
+
+
+def _product(module: torch.nn.Module, x: torch.Tensor, direct: bool) -> torch.Tensor:
+    """`module(x)`; with `direct`, torch's `linear` on its weight (a plain Linear with nothing hooked)."""
+    return F.linear(x, module.weight, module.bias) if direct else module(x)
+
+
+def _rotation(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary embedding's (rows, tokens, dim) cosine and sine as `_rotate` takes them: a heads axis added, the
+    sine's first half negated."""
+    half = sin.shape[-1] // 2
+    return cos.unsqueeze(1), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Llama's rotation of (rows, heads, tokens, dim) heads, `x * cos + rotate_half(x) * sin`, where rotate_half
+    swaps the halves and negates the new first: swapping by one roll and negating the sine instead multiplies the
+    same magnitudes with the same signs, so every bit is the same, with two operators fewer."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+
+
+def _unmasked_step(ids: torch.Tensor, attention_mask: torch.Tensor | None, implementation: str) -> bool:
+    """Whether this pass is one token of one row with nothing padded, under attention that then takes no mask: its
+    mask need not be built (transformers' mask preparation is a few hundred microseconds of a CPU step)."""
+    if ids.shape != (1, 1) or implementation not in _UNMASKED_STEPS:
+        return False
+    return attention_mask is None or (attention_mask.dim() == 2 and bool(attention_mask.all()))
 
 
 def _slides(config: PretrainedConfig) -> bool:

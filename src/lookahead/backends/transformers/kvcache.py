@@ -88,28 +88,34 @@ class RoomLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         length = self.get_seq_length()
-        end = length + key_states.shape[-2]
-        blocks = (key_states, value_states)
-        if not self._holds(end, blocks):
+        width = key_states.shape[-2]
+        if not self._holds(length + width, key_states, value_states):
             self._room = (_roomy(self.keys, key_states, length), _roomy(self.values, value_states, length))
         keys, values = self._room
-        keys[..., length:end, :] = key_states
-        values[..., length:end, :] = value_states
-        self.keys, self.values = keys[..., :end, :], values[..., :end, :]
+        keys.narrow(-2, length, width).copy_(key_states)
+        values.narrow(-2, length, width).copy_(value_states)
+        self.keys, self.values = keys.narrow(-2, 0, length + width), values.narrow(-2, 0, length + width)
         return self.keys, self.values
 
-    def _holds(self, end: int, blocks: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    def _holds(self, end: int, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
         """Whether the room reaches `end`, takes blocks like these, and holds the entries at its start."""
         if self._room is None:
             return False
-        return all(
-            end <= room.shape[-2]
-            and (room.shape[:2], room.shape[-1]) == (block.shape[:2], block.shape[-1])
-            and (room.dtype, room.device) == (block.dtype, block.device)
-            and room.is_inference() == torch.is_inference_mode_enabled()
-            and (held.shape[:2], held.stride()) == (room.shape[:2], room.stride())
-            for held, room, block in zip((self.keys, self.values), self._room, blocks, strict=True)
-        )
+        inference = torch.is_inference_mode_enabled()
+        for held, room, block in ((self.keys, self._room[0], key_states), (self.values, self._room[1], value_states)):
+            shape = room.shape
+            if not (
+                end <= shape[-2]
+                and block.shape[:2] == shape[:2]
+                and block.shape[-1] == shape[-1]
+                and block.dtype == room.dtype
+                and block.device == room.device
+                and room.is_inference() == inference
+                and held.shape[:2] == shape[:2]
+                and held.stride() == room.stride()
+            ):
+                return False
+        return True
 
 
 def _roomy(held: torch.Tensor, block: torch.Tensor, length: int) -> torch.Tensor:
