@@ -231,8 +231,8 @@ def _global_hooks() -> bool:
 
 
 def _rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """Llama's RMSNorm: normalised in float32, rounded to the input's type, then scaled by the weight."""
+    """Llama's RMSNorm: normalised in float32, rounded to the input's type, then scaled by the weight (torch's
+    operator computes a lower-precision input in float32 and rounds its result to the input's type)."""
     if hidden.dtype == torch.float32:
         return F.rms_norm(hidden, (hidden.shape[-1],), norm.weight, norm.variance_epsilon)
-    normed = F.rms_norm(hidden.float(), (hidden.shape[-1],), None, norm.variance_epsilon)
-    return norm.weight * normed.to(hidden.dtype)
+    return norm.weight * F.rms_norm(hidden, (hidden.shape[-1],), None, norm.variance_epsilon)
