@@ -51,6 +51,33 @@ def test_packed_inputs_carry_only_real_tokens_and_mask_each_row_in_its_own_colum
     assert packed.root_mask.min() == torch.finfo(torch.float32).min
 
 
+def test_blocks_padded_into_one_call_see_what_their_own_calls_see():
+    tree = DraftTree([7, 8, 9], [0, 0, 1])
+    _, _, packed = packed_inputs([[1, 7, 8, 9], [2], [3, 6]], [tree, None, DraftTree([6], [0])], [3, 5, 2],
+                                 torch.float32, "cpu")  # fmt: skip
+    call = packed.one_call
+    assert call is not None and call.width == 4, "4 padded places x 7 keys: cheaper than two more calls"
+    assert call.gather.tolist() == [0, 1, 2, 3, 4, 4, 4, 4, 5, 6, 5, 5], "short blocks padded with their root"
+    assert call.scatter.tolist() == [0, 1, 2, 3, 4, 8, 9] and call.gather[call.scatter].tolist() == list(range(7))
+    seen = call.mask[:, 0] == 0
+    assert torch.equal(seen[:, 0], packed.root_mask[:, 0, 0] == 0), "a root sees what it sees in the roots' call"
+    for draft in packed.drafts:
+        keys = draft.mask.shape[-1]
+        assert torch.equal(seen[draft.row, 1 : draft.size + 1, :keys], draft.mask[0, 0] == 0)
+        assert not seen[draft.row, 1 : draft.size + 1, keys:].any(), "a node sees nothing past its row's block"
+    assert torch.equal(seen[1, 1:], (packed.root_mask[1, 0, 0] == 0).expand(3, -1)), "padding sees as its root"
+
+
+def test_one_call_is_left_where_its_padding_would_cost_more_than_the_calls_it_saves():
+    deep = DraftTree(list(range(10, 26)), list(range(16)))  # one row drafts 16 nodes, seven draft none
+    blocks = [[1, *deep.tokens]] + [[2 + row] for row in range(7)]
+    _, _, packed = packed_inputs(blocks, [deep] + [None] * 7, [900] * 8, torch.float32, "cpu")
+    assert packed.one_call is None and len(packed.drafts) == 1
+    _, _, nodewise = packed_inputs([[1, 7], [2, 8]], [DraftTree([7], [0])] * 2, [5, 5], torch.float32, "cpu",
+                                   nodewise=True)  # fmt: skip
+    assert nodewise.one_call is None, "tokens attending one by one keep their own calls"
+
+
 def test_packed_window_masks_hide_keys_a_window_or_more_before_each_query():
     tree = DraftTree([7, 8, 9], [0, 0, 1])  # as above; window 3: a query at position p sees positions > p - 3
     blocks, trees, lengths = [[1, 7, 8, 9], [2]], [tree, None], [3, 5]

@@ -6,6 +6,7 @@ from conftest import hf_greedy
 from tiny_models import tiny_model
 from transformers import DynamicCache
 
+from lookahead.backends.transformers import masks
 from lookahead.backends.transformers.forward import ModelForward
 from lookahead.backends.transformers.kvcache import BatchCache
 from lookahead.backends.transformers.masks import packed_inputs
@@ -124,9 +125,14 @@ SLIDING = {"sliding_window": 8, "layer_types": ["sliding_attention", "full_atten
 
 
 @pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("one_call", [False, True], ids=["calls per row", "one call"])
 @pytest.mark.parametrize(("family", "settings"), [("llama", {}), ("gpt2", {}), ("opt", {}), ("gemma3_text", SLIDING)])
-def test_packed_rows_on_a_model_continue_exactly_as_each_row_alone(family, settings):
-    """Three rows (a tree, no draft, a chain) packed for two steps: each next token is greedy decoding's."""
+def test_packed_rows_on_a_model_continue_exactly_as_each_row_alone(family, settings, one_call, monkeypatch):
+    """Three rows (a tree, no draft, a chain) packed for two steps: each next token is greedy decoding's, whether
+    the drafts attend in calls of their own or with every row's block in one padded call."""
+    monkeypatch.setattr(masks, "_one_call_pays", lambda sizes, keys: one_call)
+    made, make = [], masks._one_call
+    monkeypatch.setattr(masks, "_one_call", lambda *args: made.append(1) or make(*args))
     model = tiny_model(family, **settings)
     forward = ModelForward(model)
     prompts = [list(range(10, 40)), list(range(50, 55)), list(range(60, 80))]
@@ -154,6 +160,7 @@ def test_packed_rows_on_a_model_continue_exactly_as_each_row_alone(family, setti
             slab.keep([[0, 1, 2], [0], [0, 1]])
             texts = [text + greedy[row][: [3, 1, 2][row]] for row, text in enumerate(texts)]
         assert slab.lengths == [len(text) for text in texts]
+    assert bool(made) == (one_call and not settings), "one call where asked, except under a sliding window"
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -89,7 +89,8 @@ def packed_sdpa_forward(
     lookahead_packing: Packing | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Attention of a packed batch (decoding/slab.py): every row's root in one call, each drafting row's nodes in one.
+    """Attention of a packed batch (decoding/slab.py): every row's root in one call, each drafting row's nodes in one
+    (or, where the packing says so, every row's block in one call padded to the widest: slab.OneCall).
 
     The query is (1, heads, T, dim) over the real tokens of every row; the keys and values
     are the slab's (rows, kv heads, columns, dim). A drafting row's nodes read that row's
@@ -110,6 +111,11 @@ def packed_sdpa_forward(
         return sdpa_attention_forward(module, q, k, v, mask, dropout, scaling, **kwargs)[0]
 
     flat = query[0].transpose(0, 1)  # (T, heads, dim)
+    if packing.one_call is not None:
+        call = packing.one_call
+        padded = flat.index_select(0, call.gather).view(-1, call.width, *flat.shape[1:]).transpose(1, 2)
+        seen = attend(padded, key, value, call.mask)  # (rows, width, heads, dim)
+        return seen.reshape(-1, *flat.shape[1:]).index_select(0, call.scatter)[None], None
     output = torch.empty_like(flat)
     roots = flat.index_select(0, packing.roots)[:, :, None]  # (B, heads, 1, dim)
     root_mask = packing.window_root_mask if sliding else packing.root_mask

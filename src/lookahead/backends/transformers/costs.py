@@ -39,7 +39,7 @@ class ModelMeter:
         if key and forward.nodewise:
             key += f"|chains=nodewise|rows<={forward.most_rows}"
         self.key = key
-        self.batch_key = "|packed" if layout == "packed" else ""
+        self.batch_key = "|packed-one-call" if layout == "packed" else ""  # drafts may attend with the roots
         self.max_positions = getattr(forward.config, "max_position_embeddings", None)
 
     @contextlib.contextmanager

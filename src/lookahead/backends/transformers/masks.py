@@ -18,10 +18,13 @@ import numpy as np
 import torch
 
 from ...drafting.tree import DraftTree
-from .slab import Draft, Packing
+from .slab import Draft, OneCall, Packing
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """input_ids (B, Q), attention_mask (2-D or 4-D), position_ids (B, Q)."""
+ONE_CALL_KEYS = 1_500
+"""Padded queries x keys that one attention call saved is worth, where blocks are 3 or more tokens wide (a packed
+batch's drafts in one call with its roots, OneCall; benchmarks/NOTES.md has the passes it was fitted to)."""
 
 
 def tree_mask(tree: DraftTree, past: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -112,7 +115,7 @@ def packed_inputs(
     `nodewise` (chains only): every token reads its row's entries up to its own, on its own (Packing.token_reads).
     """
     ids = torch.tensor([[token for block in blocks for token in block]], dtype=torch.long, device=device)
-    depths, rows, columns, roots, drafts = [], [], [], [], []
+    depths, rows, columns, roots, drafts, seen_by_nodes = [], [], [], [], [], []
     for row, (block, tree, length) in enumerate(zip(blocks, trees, lengths, strict=True)):
         size = len(block)
         start = len(depths)
@@ -124,6 +127,7 @@ def packed_inputs(
             within = tree.ancestor_matrix() if tree is not None else np.tri(size, dtype=bool)
             allowed = np.ones((size - 1, length + size), dtype=bool)
             allowed[:, length:] = within[1:]
+            seen_by_nodes.append(allowed)
             mask = _additive(allowed, dtype, device)[None, None]
             windowed = None
             if window is not None:
@@ -146,8 +150,45 @@ def packed_inputs(
         if any(tree is not None and not tree.is_chain for tree in trees):
             raise ValueError("drafts verified token by token must be chains")
         reads = tuple((row, column + 1) for row, column in zip(rows, columns, strict=True))
-    packing = Packing(*as_tensors, root_mask, tuple(drafts), end, window_root_mask, sliding, reads)
+    one_call = None
+    sizes = [len(block) for block in blocks]
+    if drafts and window is None and not nodewise and _one_call_pays(sizes, end):
+        one_call = _one_call(sizes, roots, seen.numpy(), drafts, seen_by_nodes, dtype, device)
+    packing = Packing(*as_tensors, root_mask, tuple(drafts), end, window_root_mask, sliding, reads, one_call)
     return ids, torch.tensor([depths], dtype=torch.long, device=device), packing
+
+
+def _one_call_pays(sizes: Sequence[int], keys: int) -> bool:
+    """Whether the rows' blocks padded to the widest cost less in one attention call than the roots' call and one call
+    per drafting row. Measured on a CPU: blocks of at most two tokens always do (a second query a row costs torch's
+    attention next to nothing); wider ones where the padded queries' reads of `keys` columns are at most ONE_CALL_KEYS
+    for each call saved."""
+    width = max(sizes)
+    padding = len(sizes) * width - sum(sizes)
+    return width <= 2 or padding * keys <= ONE_CALL_KEYS * sum(size > 1 for size in sizes)
+
+
+def _one_call(
+    sizes: Sequence[int],
+    roots: Sequence[int],
+    seen_by_roots: np.ndarray,
+    drafts: Sequence[Draft],
+    seen_by_nodes: Sequence[np.ndarray],
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> OneCall:
+    """The rows' blocks padded to the widest for one call: each query sees what it would in the roots' call (a root,
+    and padding, as its row's root) or in its row's call (a node); padded places repeat the row's root."""
+    width = max(sizes)
+    allowed = np.repeat(seen_by_roots[:, None, :], width, axis=1)  # (rows, width, end)
+    for draft, seen in zip(drafts, seen_by_nodes, strict=True):
+        allowed[draft.row, 1 : draft.size + 1] = False
+        allowed[draft.row, 1 : draft.size + 1, : seen.shape[1]] = seen
+    gather = [root + place if place < size else root for root, size in zip(roots, sizes, strict=True)
+              for place in range(width)]  # fmt: skip
+    scatter = [row * width + place for row, size in enumerate(sizes) for place in range(size)]
+    as_tensors = (torch.tensor(values, dtype=torch.long, device=device) for values in (gather, scatter))
+    return OneCall(*as_tensors, width, _additive(allowed, dtype, device)[:, None])
 
 
 def _additive(allowed: np.ndarray, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

@@ -9,8 +9,10 @@ cache to append each step. Here the rows' blocks are packed into one sequence of
 of the slab right after its cached ones (no copy of older entries), and attention reads per
 row only what the row has: all roots in one call, each drafting row's nodes in one more
 (attention.py: PACKED_SDPA) — padded to the widest row, attention cost a third more at one
-row of 17 tokens beside seven of 1 than at eight of 3. After verification only the accepted
-entries move, inside the row's block.
+row of 17 tokens beside seven of 1 than at eight of 3. Where the padding is small (many rows
+drafting a few nodes each) every row's block goes in one padded call instead (OneCall): on a
+CPU a call's own price is most of what a drafting row's call costs. After verification only
+the accepted entries move, inside the row's block.
 
 Capacity grows GROWTH_MARGIN columns past the longest row at a time, so a row costs what the
 longest row's tokens need, and a little more. Rows leave by the later rows moving up in place,
@@ -52,6 +54,19 @@ class Draft(NamedTuple):
     """The same within the sliding window of each node's position, for sliding layers; None: no layer slides."""
 
 
+class OneCall(NamedTuple):
+    """Every row's block (root and nodes) attended in one call, padded to the widest block: on a CPU a call's own
+    price is most of what a drafting row's separate call costs, so where the padding is small this is cheaper."""
+
+    gather: torch.Tensor
+    """(rows x width,) the packed token at each padded place (a row's root where its block is shorter)."""
+    scatter: torch.Tensor
+    """(T,) each packed token's padded place."""
+    width: int
+    mask: torch.Tensor
+    """(rows, 1, width, end) additive: each query sees what it sees in the roots' or its row's call."""
+
+
 class Packing(NamedTuple):
     """Where the tokens of one packed forward pass are written, and how attention reads them per row."""
 
@@ -73,6 +88,8 @@ class Packing(NamedTuple):
     token_reads: tuple[tuple[int, int], ...] | None = None
     """Where every token attends on its own, as its one-token step would (rows of chains in bfloat16: attention.py):
     (row, keys) per packed token, the row's first `keys` columns; None: roots and drafts attend as above."""
+    one_call: OneCall | None = None
+    """Where roots and drafts attend in one padded call instead (masks.packed_inputs decides); None: as above."""
 
 
 class SlabLayer(CacheLayerMixin):
