@@ -156,3 +156,11 @@ def test_model_that_ignores_the_cache_is_refused(tokenizer):
 
     with pytest.raises(RuntimeError, match="does not continue from the cache"):
         LookaheadEngine(_patched(forgetful), tokenizer)
+
+
+def test_packed_batches_are_probed_with_drafts_in_one_call_and_in_calls_of_their_own(monkeypatch):
+    forward = ModelForward(tiny_model("llama"))
+    seen, check = [], capability._rows_mismatch
+    monkeypatch.setattr(capability, "_rows_mismatch", lambda f, *args: seen.append(f.one_call) or check(f, *args))
+    assert capability._batch_mismatch(forward, DraftTree([5, 6, 7], [0, 0, 1]), "packed") is None
+    assert seen == [True, False] and forward.one_call is True

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from tiny_models import FAMILIES, tiny_model
+from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from lookahead import LookaheadConfig, LookaheadEngine
@@ -127,3 +128,38 @@ def test_a_hooked_linear_layer_is_called_as_a_module_and_its_hook_runs():
     hooked.decoder = None
     assert all(torch.equal(a, b) for a, b in zip(got, _passes(hooked), strict=True))  # the model's own, hook and all
     assert not torch.equal(got[0], plain[0])
+
+
+def test_a_patched_rotation_keeps_the_models_forward(monkeypatch):
+    import transformers.models.llama.modeling_llama as modeling
+
+    def fused(q, k, cos, sin, unsqueeze_dim=1):  # as a kernel library patching the family's rotation would
+        return modeling.apply_rotary_pos_emb.__wrapped__(q, k, cos, sin, unsqueeze_dim)
+
+    fused.__module__ = "a_kernel_library"
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", fused)
+    assert DirectDecoder.of(tiny_model("llama")) is None
+
+
+@pytest.mark.parametrize(
+    ("ids", "mask", "implementation", "skipped"),
+    [
+        ((1, 1), None, "sdpa", True),
+        ((1, 1), "ones", "lookahead_grouped_sdpa", True),
+        ((1, 1), "padded", "sdpa", False),  # a hidden column: transformers builds a mask
+        ((1, 1), "short", "sdpa", False),  # shorter than the keys: transformers pads it with hidden columns
+        ((1, 1), "ones", "eager", False),  # eager attention takes a mask even for one token
+        ((1, 2), "ones", "sdpa", False),
+        ((2, 1), None, "sdpa", False),
+    ],
+)
+def test_a_one_token_step_skips_building_a_mask_only_where_it_would_be_none(ids, mask, implementation, skipped):
+    cache = DynamicCache(config=tiny_model("llama").config)
+    cache.update(torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8), 0)
+    masks = {
+        None: None,
+        "ones": torch.ones(1, 6),
+        "padded": torch.tensor([[0, 1, 1, 1, 1, 1]]),
+        "short": torch.ones(1, 4),
+    }
+    assert decoder._unmasked_step(torch.zeros(ids, dtype=torch.long), masks[mask], implementation, cache) is skipped

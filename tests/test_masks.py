@@ -56,7 +56,7 @@ def test_blocks_padded_into_one_call_see_what_their_own_calls_see():
     _, _, packed = packed_inputs([[1, 7, 8, 9], [2], [3, 6]], [tree, None, DraftTree([6], [0])], [3, 5, 2],
                                  torch.float32, "cpu")  # fmt: skip
     call = packed.one_call
-    assert call is not None and call.width == 4, "4 padded places x 7 keys: cheaper than two more calls"
+    assert call is not None and call.width == 4, "5 padded places x 7 keys: cheaper than two more calls"
     assert call.gather.tolist() == [0, 1, 2, 3, 4, 4, 4, 4, 5, 6, 5, 5], "short blocks padded with their root"
     assert call.scatter.tolist() == [0, 1, 2, 3, 4, 8, 9] and call.gather[call.scatter].tolist() == list(range(7))
     seen = call.mask[:, 0] == 0
@@ -76,6 +76,18 @@ def test_one_call_is_left_where_its_padding_would_cost_more_than_the_calls_it_sa
     _, _, nodewise = packed_inputs([[1, 7], [2, 8]], [DraftTree([7], [0])] * 2, [5, 5], torch.float32, "cpu",
                                    nodewise=True)  # fmt: skip
     assert nodewise.one_call is None, "tokens attending one by one keep their own calls"
+    _, _, asked = packed_inputs([[1, 7], [2, 8]], [DraftTree([7], [0])] * 2, [5, 5], torch.float32, "cpu",
+                                one_call=False)  # fmt: skip
+    assert asked.one_call is None and len(asked.drafts) == 2
+
+
+def test_drafting_rows_far_shorter_than_the_longest_keep_their_own_calls():
+    chain = DraftTree([7, 8, 9], [0, 1, 2])
+    blocks, trees = [[1, 7, 8, 9], [2, 7, 8, 9], [3, 7, 8, 9]], [chain] * 3  # as wide as each other: no padding
+    _, _, near = packed_inputs(blocks, trees, [600, 600, 600], torch.float32, "cpu")
+    _, _, far = packed_inputs(blocks, trees, [20, 20, 3000], torch.float32, "cpu")
+    assert near.one_call is not None
+    assert far.one_call is None, "two rows' nodes would read 2,980 columns past their own rows"
 
 
 def test_packed_window_masks_hide_keys_a_window_or_more_before_each_query():

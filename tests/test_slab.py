@@ -130,7 +130,7 @@ SLIDING = {"sliding_window": 8, "layer_types": ["sliding_attention", "full_atten
 def test_packed_rows_on_a_model_continue_exactly_as_each_row_alone(family, settings, one_call, monkeypatch):
     """Three rows (a tree, no draft, a chain) packed for two steps: each next token is greedy decoding's, whether
     the drafts attend in calls of their own or with every row's block in one padded call."""
-    monkeypatch.setattr(masks, "_one_call_pays", lambda sizes, keys: one_call)
+    monkeypatch.setattr(masks, "_one_call_pays", lambda *_: one_call)
     made, make = [], masks._one_call
     monkeypatch.setattr(masks, "_one_call", lambda *args: made.append(1) or make(*args))
     model = tiny_model(family, **settings)

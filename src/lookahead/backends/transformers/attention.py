@@ -11,9 +11,11 @@ mask, on the CPU, and gives the same bits. transformers keeps the copy on other 
 (there a mask with `enable_gqa` falls back to the slow kernel), and so do we.
 
 The grouped function is registered in transformers' attention registry under
-GROUPED_SDPA and used for this engine's forward passes only (`ModelForward`); every
-other case is handed to transformers' own SDPA function unchanged. PACKED_SDPA wraps it for
-packed batches (decoding/slab.py), whose queries it unpacks per row around the call.
+GROUPED_SDPA and used for this engine's forward passes only (`ModelForward`); one query
+without a mask (a one-token step) calls torch's SDPA directly where transformers would make
+that very call, and every other case is handed to transformers' own SDPA function unchanged.
+PACKED_SDPA wraps it for packed batches (decoding/slab.py), whose queries it unpacks per row
+around the call.
 
 NODEWISE_SDPA is for a chain verified in bfloat16 or float16 (capability.settle_rounding): one
 call per node over exactly the keys that node's one-token step reads, so each node's attention
@@ -24,14 +26,22 @@ otherwise and can flip a near-tie.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator, Sequence
 
 import torch
 from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
+from transformers.integrations import sdpa_attention
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from .slab import Packing
+
+_GQA_RULE = getattr(sdpa_attention, "use_gqa_in_sdpa", None)
+"""transformers' rule for reading grouped heads in place in its SDPA function (host and mask dependent)."""
+_GQA_RULE_TAKES_VALUE = (
+    _GQA_RULE is not None and len(inspect.signature(_GQA_RULE).parameters) >= 3
+)  # (mask, key) before
 
 GROUPED_SDPA = "lookahead_grouped_sdpa"
 PACKED_SDPA = "lookahead_packed_sdpa"
@@ -94,7 +104,7 @@ def packed_sdpa_forward(
 
     The query is (1, heads, T, dim) over the real tokens of every row; the keys and values
     are the slab's (rows, kv heads, columns, dim). A drafting row's nodes read that row's
-    keys only, so no row pays for another's width. A sliding layer reads the packing's window
+    keys only (in calls of their own), so no row pays for another's width. A sliding layer reads the packing's window
     masks. Without a packing this is GROUPED_SDPA.
     """
     if lookahead_packing is None:
@@ -186,10 +196,19 @@ def _in_place(module: torch.nn.Module, query: torch.Tensor, kwargs: dict) -> boo
 def _lone_query(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwargs: dict
 ) -> bool:
-    """One query (given no mask), on a CPU, heads no wider than 256: transformers' SDPA function then makes the very
-    call `_torch_sdpa` does (grouped heads in place, not causal), after checks that cost a one-token step of a small
-    model tens of microseconds."""
-    return query.shape[2] == 1 and key.shape[-1] == value.shape[-1] <= 256 and _in_place(module, query, kwargs)
+    """One query (given no mask), on a CPU, where transformers' SDPA function makes the very call `_torch_sdpa` does
+    (not causal; grouped heads in place where transformers' own rule says it reads them so), after checks that cost
+    a one-token step of a small model tens of microseconds."""
+    if query.shape[2] != 1 or not _in_place(module, query, kwargs):
+        return False
+    return getattr(module, "num_key_value_groups", 1) == 1 or _transformers_groups_in_place(key, value)
+
+
+def _transformers_groups_in_place(key: torch.Tensor, value: torch.Tensor) -> bool:
+    """transformers' own answer (`use_gqa_in_sdpa`, without a mask) where this version has it; else False."""
+    if _GQA_RULE is None:
+        return False
+    return bool(_GQA_RULE(None, key, value) if _GQA_RULE_TAKES_VALUE else _GQA_RULE(None, key))
 
 
 def _torch_sdpa(module, query, key, value, mask, dropout: float, scaling: float | None) -> torch.Tensor:

@@ -300,7 +300,22 @@ def _prefilled(forward: ModelForward, prefix: list[int]) -> Cache:
 
 def _batch_mismatch(forward: ModelForward, shape: DraftTree, layout: Layout) -> str | None:
     """Why two rows of different lengths verified together (in `layout`, a draft of `shape` on one) differ from each
-    row alone — in any bit where `forward.nodewise`, else beyond float noise; None if they do not."""
+    row alone — in any bit where `forward.nodewise`, else beyond float noise; None if they do not. Packed rows are
+    checked with their drafts attended in one call with the roots and in calls of their own (both run)."""
+    if layout != "packed":
+        return _rows_mismatch(forward, shape, layout)
+    prior = forward.one_call
+    try:
+        for one_call in (True, False):
+            forward.one_call = one_call
+            if (why := _rows_mismatch(forward, shape, layout)) is not None:
+                return f"{why} ({'in one call' if one_call else 'in calls of their own'})"
+    finally:
+        forward.one_call = prior
+    return None
+
+
+def _rows_mismatch(forward: ModelForward, shape: DraftTree, layout: Layout) -> str | None:
     vocab = forward.vocab_size
     trees = [DraftTree([t % vocab for t in shape.tokens], shape.parents), DraftTree([_NEXT % vocab], [0])]
     prefixes = [[t % vocab for t in _PREFIX], [t % vocab for t in _PREFIX[:3]]]

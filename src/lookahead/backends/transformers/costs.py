@@ -39,7 +39,8 @@ class ModelMeter:
         if key and forward.nodewise:
             key += f"|chains=nodewise|rows<={forward.most_rows}"
         self.key = key
-        self.batch_key = "|packed-one-call" if layout == "packed" else ""  # drafts may attend with the roots
+        # packed passes' drafts may attend in one call with the roots (since 2026-12-06): older curves, another layout
+        self.batch_key = "|packed-one-call" if layout == "packed" else ""
         self.max_positions = getattr(forward.config, "max_position_embeddings", None)
 
     @contextlib.contextmanager

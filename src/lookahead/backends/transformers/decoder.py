@@ -118,6 +118,8 @@ class DirectDecoder:
             return None  # a part swapped for another class: its math is not the family's
         if _slides(model.config) or any(_hooked(module) for module in replaced) or _global_hooks():
             return None
+        if getattr(sys.modules[modeling].apply_rotary_pos_emb, "__module__", None) != modeling:
+            return None  # the family's rotation replaced (a fused kernel patched in): the loop's own would not follow
         return cls(model, sys.modules[modeling])
 
     def __call__(
@@ -138,7 +140,7 @@ class DirectDecoder:
         hidden = self._embed(input_ids)
         implementation = self._layers[0].attention.config._attn_implementation
         mask = None
-        if not _unmasked_step(input_ids, attention_mask, implementation):
+        if not _unmasked_step(input_ids, attention_mask, implementation, cache):
             mask = create_causal_mask(
                 config=self.config,
                 inputs_embeds=hidden,
@@ -146,7 +148,7 @@ class DirectDecoder:
                 position_ids=position_ids,
                 **{_CACHE_KEYWORD: cache},
             )
-        cos, sin = _rotation(*self._rotary(hidden, position_ids=position_ids))
+        cos, signed_sin = _rotation(*self._rotary(hidden, position_ids=position_ids))
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, self._eager)
         attention_kwargs = {"position_ids": position_ids, "use_cache": True, **attention_kwargs}  # as the model passes
         shape = (*hidden.shape[:-1], -1)
@@ -158,7 +160,7 @@ class DirectDecoder:
                 part.view(head_shape).transpose(1, 2)
                 for part in _products(linears if layer.joins else None, layer.qkv, normed, most_rows, direct)
             )
-            query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
+            query, key = _rotate(query, cos, signed_sin), _rotate(key, cos, signed_sin)
             key, value = cache.update(key, value, layer.index, kwargs=attention_kwargs)
             attended, _ = attend(
                 layer.attention, query, key, value, mask, dropout=0.0, scaling=layer.attention.scaling,
@@ -203,12 +205,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
-def _unmasked_step(ids: torch.Tensor, attention_mask: torch.Tensor | None, implementation: str) -> bool:
+def _unmasked_step(ids: torch.Tensor, attention_mask: torch.Tensor | None, implementation: str, cache: Cache) -> bool:
     """Whether this pass is one token of one row with nothing padded, under attention that then takes no mask: its
-    mask need not be built (transformers' mask preparation is a few hundred microseconds of a CPU step)."""
-    if ids.shape != (1, 1) or implementation not in _UNMASKED_STEPS:
+    mask need not be built (transformers' mask preparation is a few hundred microseconds of a CPU step). A mask
+    shorter than the keys (transformers pads it with hidden columns) or a compileable cache gets its mask built."""
+    if ids.shape != (1, 1) or implementation not in _UNMASKED_STEPS or getattr(cache, "is_compileable", False):
         return False
-    return attention_mask is None or (attention_mask.dim() == 2 and bool(attention_mask.all()))
+    if attention_mask is None:
+        return True
+    return attention_mask.shape == (1, cache.get_seq_length() + 1) and bool(attention_mask.all())
 
 
 def _slides(config: PretrainedConfig) -> bool:
@@ -231,8 +236,8 @@ def _global_hooks() -> bool:
 
 
 def _rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """Llama's RMSNorm: normalised in float32, rounded to the input's type, then scaled by the weight (torch's
-    operator computes a lower-precision input in float32 and rounds its result to the input's type)."""
+    """Llama's RMSNorm: normalised in float32, rounded to the input's type, then scaled by the weight."""
     if hidden.dtype == torch.float32:
         return F.rms_norm(hidden, (hidden.shape[-1],), norm.weight, norm.variance_epsilon)
-    return norm.weight * F.rms_norm(hidden, (hidden.shape[-1],), None, norm.variance_epsilon)
+    normed = F.rms_norm(hidden.float(), (hidden.shape[-1],), None, norm.variance_epsilon)
+    return norm.weight * normed.to(hidden.dtype)

@@ -47,6 +47,9 @@ class ModelForward:
         self.most_rows: int | None = None
         """Most rows a packed product of a verification pass takes, more made in pieces (linears.packed_as): where
         wider products round a row otherwise (capability.settle_rounding); None: any."""
+        self.one_call = True
+        """A packed pass may attend every row's block in one padded call where that is cheaper (masks.packed_inputs);
+        False: drafts always in calls of their own (the start-up probes check both ways)."""
         self.decoder: DirectDecoder | None = None
         """The model's layers run as one loop (decoder.py), where found to give its logits bit for bit
         (capability.check_direct_decoder); None: through the model's forward."""
@@ -102,7 +105,15 @@ class ModelForward:
     ) -> list[torch.Tensor]:
         cache.reserve([len(block) for block in blocks])
         ids, positions, packing = packed_inputs(
-            blocks, trees, lengths, self.model.dtype, self.device, cache.window, cache.sliding_layers, self.nodewise
+            blocks,
+            trees,
+            lengths,
+            self.model.dtype,
+            self.device,
+            cache.window,
+            cache.sliding_layers,
+            self.nodewise,
+            self.one_call,
         )
         mask = packing.root_mask  # what the model's mask preparation passes through; attention reads the packing
         cache.packing = packing

@@ -104,6 +104,7 @@ def packed_inputs(
     window: int | None = None,
     sliding_layers: frozenset[int] = frozenset(),
     nodewise: bool = False,
+    one_call: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, Packing]:
     """input_ids and position_ids (1, T) of the rows' blocks packed, each after its row's `lengths[b]` entries.
 
@@ -113,6 +114,7 @@ def packed_inputs(
     a sliding `window`, the same masks again for `sliding_layers`, each query seeing only the
     keys fewer than `window` positions before its own (a row's entry at column c has position c).
     `nodewise` (chains only): every token reads its row's entries up to its own, on its own (Packing.token_reads).
+    `one_call`: drafts may attend in one padded call with the roots where that is cheaper (Packing.one_call).
     """
     ids = torch.tensor([[token for block in blocks for token in block]], dtype=torch.long, device=device)
     depths, rows, columns, roots, drafts, seen_by_nodes = [], [], [], [], [], []
@@ -150,22 +152,24 @@ def packed_inputs(
         if any(tree is not None and not tree.is_chain for tree in trees):
             raise ValueError("drafts verified token by token must be chains")
         reads = tuple((row, column + 1) for row, column in zip(rows, columns, strict=True))
-    one_call = None
+    together = None
     sizes = [len(block) for block in blocks]
-    if drafts and window is None and not nodewise and _one_call_pays(sizes, end):
-        one_call = _one_call(sizes, roots, seen.numpy(), drafts, seen_by_nodes, dtype, device)
-    packing = Packing(*as_tensors, root_mask, tuple(drafts), end, window_root_mask, sliding, reads, one_call)
+    if one_call and drafts and window is None and not nodewise and _one_call_pays(sizes, lengths, end):
+        together = _one_call(sizes, roots, seen.numpy(), drafts, seen_by_nodes, dtype, device)
+    packing = Packing(*as_tensors, root_mask, tuple(drafts), end, window_root_mask, sliding, reads, together)
     return ids, torch.tensor([depths], dtype=torch.long, device=device), packing
 
 
-def _one_call_pays(sizes: Sequence[int], keys: int) -> bool:
-    """Whether the rows' blocks padded to the widest cost less in one attention call than the roots' call and one call
-    per drafting row. Measured on a CPU: blocks of at most two tokens always do (a second query a row costs torch's
-    attention next to nothing); wider ones where the padded queries' reads of `keys` columns are at most ONE_CALL_KEYS
-    for each call saved."""
+def _one_call_pays(sizes: Sequence[int], lengths: Sequence[int], end: int) -> bool:
+    """Whether the rows' blocks padded to the widest cost less in one attention call (every query over all `end`
+    columns) than the roots' call and one call per drafting row (its nodes over its own row's columns). Measured on a
+    CPU (other devices take the same rule, unmeasured): blocks of at most two tokens always do (a second query a row
+    costs torch's attention next to nothing); wider ones where the reads one call adds — padded queries', and
+    drafting rows' nodes past their own row's columns — are at most ONE_CALL_KEYS for each call saved."""
     width = max(sizes)
     padding = len(sizes) * width - sum(sizes)
-    return width <= 2 or padding * keys <= ONE_CALL_KEYS * sum(size > 1 for size in sizes)
+    beyond = sum((size - 1) * (end - length - size) for size, length in zip(sizes, lengths, strict=True) if size > 1)
+    return width <= 2 or padding * end + beyond <= ONE_CALL_KEYS * sum(size > 1 for size in sizes)
 
 
 def _one_call(
