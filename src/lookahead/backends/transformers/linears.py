@@ -245,7 +245,7 @@ def packed_as(linears: PackedLinears | None, most_rows: int | None = None) -> It
         yield
         return
     for module, forward in linears.forwards(most_rows).items():
-        module.forward = forward
+        vars(module)["forward"] = forward  # past nn.Module.__setattr__, which has nothing to do for it
     try:
         yield
     finally:
