@@ -105,16 +105,9 @@ class ModelForward:
     ) -> list[torch.Tensor]:
         cache.reserve([len(block) for block in blocks])
         ids, positions, packing = packed_inputs(
-            blocks,
-            trees,
-            lengths,
-            self.model.dtype,
-            self.device,
-            cache.window,
-            cache.sliding_layers,
-            self.nodewise,
-            self.one_call,
-        )
+            blocks, trees, lengths, self.model.dtype, self.device, cache.window, cache.sliding_layers, self.nodewise,
+            one_call=self.one_call,
+        )  # fmt: skip
         mask = packing.root_mask  # what the model's mask preparation passes through; attention reads the packing
         cache.packing = packing
         try:
