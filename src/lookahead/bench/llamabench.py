@@ -6,6 +6,9 @@ fall on all of them):
 
 - `llama.cpp plain`: llama-cpp-python's `Llama.generate`, greedy, one token a step (the reference);
 - `llama.cpp prompt lookup`: the same with `LlamaPromptLookupDecoding` (10 tokens), its own speculation;
+- with `--default-build PYTHON`: `llama.cpp plain (default build)`, the same plain decoding by llama-cpp-python
+  as it comes (with llamafile's kernels, which read prompts faster but are not exact for drafts: README), run
+  by an interpreter that has that build (llamaworker.py);
 - `plain (ours, llama.cpp)` and `lookahead (llama.cpp)`: this engine on the same file, without and with drafts;
 - with `--transformers` (beside the float32 weights): `plain (ours, transformers)` and `lookahead
   (transformers)`, the engine's other backend on the same weights; `--transformers float32,bfloat16`
@@ -34,12 +37,14 @@ from ..engine import LookaheadEngine
 from ..models import load_model
 from .datasets import Prompt, load_prompts
 from .divergence import first_difference, reference_margin
+from .llamaworker import Worker, greedy, open_llama
 from .report import markdown_table, run_record
 
 SETS = ["code-edit", "humaneval", "gsm8k", "mtbench", "creative"]
 REFERENCE = "llama.cpp plain"
-COLUMNS = ["weights", "dataset", "method", "prompts", "new_tokens", "tokens_per_s", "vs_llama_cpp", "tokens_per_step",
-           "identical"]  # fmt: skip
+DEFAULT_BUILD = "llama.cpp plain (default build)"
+COLUMNS = ["weights", "dataset", "method", "prompts", "new_tokens", "tokens_per_s", "vs_llama_cpp", "vs_default_build",
+           "tokens_per_step", "identical"]  # fmt: skip
 DIVERGENCE_COLUMNS = ["weights", "method", "dataset", "prompt", "position", "reference_margin"]
 BATCH_COLUMNS = ["weights", "streams", "method", "prompts", "new_tokens", "tokens_per_s", "vs_plain", "tokens_per_step",
                  "identical"]  # fmt: skip
@@ -50,25 +55,20 @@ Run = Callable[[list[int]], tuple[list[int], int | None]]
 
 def llama_runs(path: Path, threads: int, end_ids: frozenset[int], max_new_tokens: int) -> dict[str, Run]:
     """llama-cpp-python's own decoding of the file, plain and with its prompt lookup."""
-    import llama_cpp
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-    settings = {"n_ctx": 4096, "n_threads": threads, "n_threads_batch": threads, "verbose": False}
-    plain = llama_cpp.Llama(str(path), **settings)
-    lookup = llama_cpp.Llama(str(path), draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10), **settings)
+    plain = open_llama(path, threads)
+    lookup = open_llama(path, threads, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10))
 
     def run(llama) -> Run:
-        def generate(ids: list[int]) -> tuple[list[int], int | None]:
-            out: list[int] = []
-            for token in llama.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
-                out.append(token)
-                if token in end_ids or len(out) == max_new_tokens:
-                    break
-            return out, None
-
-        return generate
+        return lambda ids: (greedy(llama, ids, end_ids, max_new_tokens), None)
 
     return {REFERENCE: run(plain), "llama.cpp prompt lookup": run(lookup)}
+
+
+def default_build_run(worker: Worker) -> Run:
+    """llama.cpp's plain decoding as llama-cpp-python comes (llamafile's kernels), in the worker's interpreter."""
+    return lambda ids: (worker.generate(ids), None)
 
 
 def engine_runs(engines: tuple[LookaheadEngine, LookaheadEngine], label: str, max_new_tokens: int) -> dict[str, Run]:
@@ -108,7 +108,6 @@ def summarize_stream(weights: str, samples, prompts: list[Prompt], references: d
     rows = []
     for dataset in [*dict.fromkeys(p.dataset for p in prompts), "all"]:
         numbers = [n for n, p in enumerate(prompts) if dataset in ("all", p.dataset)]
-        base = sum(samples[REFERENCE, n][2] for n in numbers)
         for method in methods:
             tokens = sum(len(samples[method, n][0]) for n in numbers)
             seconds = sum(samples[method, n][2] for n in numbers)
@@ -118,10 +117,21 @@ def summarize_stream(weights: str, samples, prompts: list[Prompt], references: d
             rows.append({
                 "weights": weights, "dataset": dataset, "method": method, "prompts": len(numbers),
                 "new_tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2),
-                "vs_llama_cpp": round(base / seconds, 3) if method != REFERENCE else 1.0,
                 "tokens_per_step": round(tokens / sum(steps), 3) if None not in steps and sum(steps) else None,
                 "identical": f"{same}/{len(numbers)}",
             })  # fmt: skip
+    return with_ratios(rows)
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    """Each row's tokens/s against llama.cpp's plain decoding (and its default build's, where run) on the same
+    prompts: rates, not times, since a method whose outputs differ may make more or fewer tokens."""
+    rate = {(row["weights"], row["dataset"], row["method"]): row["new_tokens"] / row["seconds"] for row in rows}
+    for row in rows:
+        own, group = rate[row["weights"], row["dataset"], row["method"]], (row["weights"], row["dataset"])
+        default = rate.get((*group, DEFAULT_BUILD))
+        row["vs_llama_cpp"] = round(own / rate[(*group, REFERENCE)], 3)
+        row["vs_default_build"] = None if default is None else round(own / default, 3)
     return rows
 
 
@@ -148,7 +158,7 @@ def closed_batches(
 
 def summarize_batches(weights: str, streams: int, run: dict, alone: list[list[int]]) -> list[dict]:
     rows = []
-    plain_s = run["seconds"][False]
+    plain_rate = sum(len(out.token_ids) for out in run["outputs"][False]) / run["seconds"][False]
     for lookahead, name in ((False, "plain (ours, llama.cpp)"), (True, "lookahead (llama.cpp)")):
         outs = run["outputs"][lookahead]
         tokens = sum(len(out.token_ids) for out in outs)
@@ -157,7 +167,8 @@ def summarize_batches(weights: str, streams: int, run: dict, alone: list[list[in
         rows.append({
             "weights": weights, "streams": streams, "method": name, "prompts": len(outs), "new_tokens": tokens,
             "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2),
-            "vs_plain": round(plain_s / seconds, 3), "tokens_per_step": round(tokens / steps, 3) if steps else None,
+            "vs_plain": round(tokens / seconds / plain_rate, 3),
+            "tokens_per_step": round(tokens / steps, 3) if steps else None,
             "identical": f"{sum(o.token_ids == a for o, a in zip(outs, alone, strict=True))}/{len(outs)}",
         })  # fmt: skip
     return rows
@@ -180,8 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--transformers", nargs="?", const="float32", default="",
                         help="also the transformers backend, in these dtypes (default float32)")  # fmt: skip
+    parser.add_argument(
+        "--default-build",
+        metavar="PYTHON",
+        help="an interpreter with llama-cpp-python as it comes: its plain decoding beside the others",
+    )
     parser.add_argument("--out", default="bench-out/llama")
     args = parser.parse_args(argv)
+    if args.default_build and not Path(args.default_build).exists():
+        raise SystemExit(f"--default-build: no interpreter at {args.default_build}")
     prompts = load_prompts([s for s in args.sets.split(",") if s], args.limit)
     weights = [w for w in args.weights.split(",") if w]
     if bad := [w for w in weights if w not in ("float32", "float16", "bfloat16", "file")]:
@@ -213,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
         say(f"== {label}: {model.path}")
         ids = [engines[0].chat_ids([{"role": "user", "content": prompt.text}]) for prompt in prompts]
         runs = llama_runs(model.path, args.threads, model.vocabulary.end_ids, args.max_new_tokens)
+        worker = None
+        if args.default_build:
+            worker = Worker(args.default_build, model.path, args.threads, model.vocabulary.end_ids, args.max_new_tokens)
+            say(f"default build: {worker.build}")
+            runs[DEFAULT_BUILD] = default_build_run(worker)
         runs.update(engine_runs(engines, "llama.cpp", args.max_new_tokens))
         references = dict.fromkeys(runs, REFERENCE)
         margin_models = dict.fromkeys(runs, model)  # the model whose reference gives a divergence's margin
@@ -245,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
                         divergences.append(divergence(label, method, prompts[number], index, margin))
         for engine in engines:
             engine.model.close()
+        if worker is not None:
+            worker.close()
     result = {
         **run_record("lookahead.bench.llamabench", args, argv),
         "one_stream": rows,

@@ -37,6 +37,13 @@ class LlamaCppBackend:
                 "For exact verification build it with CMAKE_ARGS=-DGGML_LLAMAFILE=OFF (see README)",
                 stacklevel=3,
             )
+        if model.inexact_types and self.draft_mode != "off":
+            warnings.warn(
+                f"{model.name}: llama.cpp's kernels for {', '.join(model.inexact_types)} weights round a pass of "
+                "several tokens differently from the one-token step: lookahead may differ from plain decoding at "
+                "near-ties (exact on F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 files; see README)",
+                stacklevel=3,
+            )
         self.max_draft = config.decoding_length
         self.verifier = LlamaCppVerifier(model, self.max_draft, following=config.recycled)
 

@@ -26,6 +26,10 @@ SUPPORTED = ((0, 3, 36), (0, 3, 37))
 INSTALL = "pip install 'lookahead[llama]'"
 BATCH_TOKENS = 1024
 """Most tokens one `llama_decode` call takes (a prompt is read in calls of at most this many)."""
+EXACT_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})
+"""Weight types whose passes of 2-16 tokens give each token the one-token step's logits, bit for bit, on a build
+without llamafile's kernels (measured; the tests hold it). The K-quants' do not: on Q4_K and Q6_K weights a pass of
+8 tokens or more rounds otherwise (and Q4_K weights that llama.cpp repacks for the CPU, of 4 or more)."""
 
 
 def binding() -> Any:
@@ -120,6 +124,8 @@ class LlamaCppModel:
         self.file_type = _file_type(lib, model)
         self.exact = b"LLAMAFILE = 1" not in lib.llama_print_system_info()
         """True if multi-token passes sum as the one-token step does (a build without llamafile's kernels)."""
+        self.inexact_types = tuple(sorted(weight_types(self.path) - EXACT_TYPES))
+        """The file's weight types not known to round a multi-token pass as the one-token step (none: all are)."""
         self._free = list(range(self.sequences - 1, -1, -1))
         self.rows = 0
         """Sequence ids held between steps: running generations' and the kept prefix's, not a step's leaves."""
@@ -217,6 +223,13 @@ def convert(source: Path, target: Path, dtype: str) -> None:
         raise ValueError(f"{source}: llama.cpp could not convert this GGUF file to {dtype}")
 
 
+def weight_types(path: Path) -> set[str]:
+    """The GGML types of a GGUF file's tensors (read from its header)."""
+    import gguf
+
+    return {tensor.tensor_type.name for tensor in gguf.GGUFReader(path).tensors}
+
+
 def check_vocabulary(texts: list[str], tokenizer: Any, name: str) -> None:
     """ValueError, in one line, unless the tokenizer's tokens are the GGUF's `texts` id for id."""
     known = len(tokenizer)
@@ -232,10 +245,12 @@ def check_vocabulary(texts: list[str], tokenizer: Any, name: str) -> None:
 
 
 def _file_type(lib: Any, model: Any) -> str:
-    """The GGUF's own description of its weights' type (e.g. 'Q4_1', 'F32')."""
+    """The GGUF's own description of its weights' type (e.g. 'Q4_1', 'F32', 'Q4_K - Medium'): what llama.cpp's
+    description says after the architecture and size."""
     text = ctypes.create_string_buffer(256)
     lib.llama_model_desc(model, text, len(text))
-    return text.value.decode("utf-8", "replace").split()[-1]
+    *_, kind = text.value.decode("utf-8", "replace").split(" ", 2)
+    return kind.removeprefix("all ")
 
 
 def _free(lib: Any, model: Any, contexts: list[Any]) -> None:
