@@ -292,18 +292,27 @@ def test_the_llama_cpp_benchmark_refuses_options_it_cannot_run():
         llamabench.main(["--default-build", "/nowhere/python"])
 
 
-def _quantized(source, target, kind: str):
-    """`source` quantized to llama.cpp file type `kind` (e.g. 'Q8_0') by its own quantizer."""
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}")
-    params.nthread = 2
-    assert llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params)) == 0
-    return target
+@pytest.fixture(scope="module")
+def quantized(f32, tmp_path_factory):
+    """The bundled model's float32 file quantized by llama.cpp's own quantizer to a file type (e.g. 'Q8_0')."""
+    folder, made = tmp_path_factory.mktemp("quantized"), {}
+
+    def of(kind: str):
+        if kind not in made:
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}")
+            params.nthread = 2
+            made[kind] = folder / f"{kind}.gguf"
+            source, target = str(f32[0].path).encode(), str(made[kind]).encode()
+            assert llama_cpp.llama_model_quantize(source, target, ctypes.byref(params)) == 0
+        return made[kind]
+
+    return of
 
 
 def _widest_exact_pass(path, widest: int = 16) -> int:
-    """The widest pass (2 to `widest` tokens, after 40 cached ones) up to which every pass gives each token the
-    logits of its one-token step, bit for bit (1: none does)."""
+    """Measured through llama-cpp-python's own `Llama`: the widest pass (2 to `widest` tokens, after 40 cached ones) up
+    to which every pass gives each token the logits of its one-token step, bit for bit (1: none does)."""
     llama = llama_cpp.Llama(str(path), n_ctx=512, n_threads=2, n_threads_batch=2, logits_all=True, verbose=False)
     tokens = [(100 + 7 * i) % 40000 for i in range(40 + widest)]
 
@@ -321,19 +330,30 @@ def _widest_exact_pass(path, widest: int = 16) -> int:
         llama.close()
 
 
-def test_exact_weight_types_verify_as_the_one_token_step_and_k_quants_do_not(f32, tmp_path_factory):
+def test_exact_weight_types_verify_as_the_one_token_step_and_k_quants_do_not(f32, quantized):
     """What EXACT_TYPES claims, measured: passes of every width up to 16 give the one-token step's bits on those
-    types; on a K-quant they do not, and the model says so (the backend then warns)."""
-    model, _ = f32
-    require_exact(model)
-    folder = tmp_path_factory.mktemp("quantized")
+    types; on a K-quant they do not, and the model says so."""
+    require_exact(f32[0])
     for kind in ("Q8_0", "Q4_0"):
-        path = _quantized(model.path, folder / f"{kind}.gguf", kind)
-        assert kind in llamacpp_model.EXACT_TYPES and _widest_exact_pass(path) == 16, kind
-    k_quant = _quantized(model.path, folder / "Q6_K.gguf", "Q6_K")
-    assert _widest_exact_pass(k_quant) < 16
-    loaded, tokenizer = load_model(str(k_quant), backend="llama.cpp", threads=2)
+        assert kind in llamacpp_model.EXACT_TYPES and _widest_exact_pass(quantized(kind)) == 16, kind
+    assert _widest_exact_pass(quantized("Q6_K")) < 16
+    loaded, _ = load_model(str(quantized("Q6_K")), backend="llama.cpp", threads=2)
     assert "Q6_K" in loaded.inexact_types and f32[0].inexact_types == ()
-    with pytest.warns(UserWarning, match="Q6_K weights round a pass of several tokens differently"):
-        LookaheadEngine(loaded, tokenizer)
     loaded.close()
+
+
+def test_k_quant_weights_draft_chains_no_wider_than_their_kernels_keep_exact(f32, quantized, prompts):
+    """A Q4_K_M file (llama.cpp repacks its Q4_K weights: passes of 4 tokens round otherwise): the engine finds the
+    widest exact pass itself, drafts single paths within it, warns, and equals llama.cpp's greedy decoding."""
+    require_exact(f32[0])
+    path = quantized("Q4_K_M")
+    model, tokenizer = load_model(str(path), backend="llama.cpp", threads=2)
+    with pytest.warns(UserWarning, match="Q4_K, Q6_K weights round a pass of more than"):
+        engine = LookaheadEngine(model, tokenizer)
+    assert engine.draft_mode == "chain" and engine.backend.max_draft == _widest_exact_pass(path) - 1 >= 1
+    want = llama_greedy(model, prompts, TOKENS)
+    outputs = [engine.generate(ids, TOKENS) for ids in prompts]
+    assert [out.token_ids for out in outputs] == want
+    accepted = sum(out.stats.new_tokens - out.stats.steps - 1 for out in outputs)
+    assert sum(out.stats.draft_tokens for out in outputs) > 0 and accepted > 0
+    model.close()

@@ -6,6 +6,8 @@ import contextlib
 import warnings
 from collections.abc import Callable, Iterator
 
+import numpy as np
+
 from ...config import LookaheadConfig
 from ...decoding.backend import DraftMode
 from .model import BATCH_TOKENS, LlamaCppModel
@@ -37,21 +39,53 @@ class LlamaCppBackend:
                 "For exact verification build it with CMAKE_ARGS=-DGGML_LLAMAFILE=OFF (see README)",
                 stacklevel=3,
             )
+        self.max_draft = config.decoding_length
         if model.inexact_types and self.draft_mode != "off":
+            widest = widest_exact_pass(model, min(config.decoding_length + 1, PROBE_WIDEST))
+            self.max_draft = widest - 1
+            self.draft_mode = "chain" if widest > 1 else "off"  # a chain leaves no tokens to lay again next call
             warnings.warn(
-                f"{model.name}: llama.cpp's kernels for {', '.join(model.inexact_types)} weights round a pass of "
-                "several tokens differently from the one-token step: lookahead may differ from plain decoding at "
-                "near-ties (exact on F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 files; see README)",
+                f"{model.name}: llama.cpp's kernels for {', '.join(model.inexact_types)} weights round a pass of more "
+                f"than {widest} tokens differently from the one-token step, so a request's drafts here are single "
+                f"paths of at most {widest - 1} tokens: exact, with less speedup than on F32, F16, BF16, Q4_0, Q4_1, "
+                "Q5_0, Q5_1 or Q8_0 weights (rows batched together share wider passes; see README)",
                 stacklevel=3,
             )
-        self.max_draft = config.decoding_length
-        self.verifier = LlamaCppVerifier(model, self.max_draft, following=config.recycled)
+        self.verifier = LlamaCppVerifier(model, self.max_draft, self.draft_mode == "tree", following=config.recycled)
 
     def enable_batching(self) -> bool:
         return True
 
     def meter(self, batched: bool = False) -> LlamaCppMeter:
         return LlamaCppMeter(self.model)
+
+
+PROBE_CONTEXT = 40
+"""Cached tokens before the passes `widest_exact_pass` compares."""
+PROBE_WIDEST = 16
+"""The widest pass the probe tries (a width past it is not claimed exact)."""
+
+
+def widest_exact_pass(model: LlamaCppModel, widest: int) -> int:
+    """The most tokens (up to `widest`) a pass may carry with every token getting the logits of its one-token step,
+    bit for bit, on this model's kernels: found by passes of 2, 3, ... tokens against one-token steps after
+    PROBE_CONTEXT cached tokens (1: no wider pass is exact)."""
+    decoder = LlamaCppDecoder(model)
+    tokens = [(100 + 7 * i) % model.vocab_size for i in range(PROBE_CONTEXT + widest)]
+    with model.lock:
+        sequence = model.take_sequence()
+        try:
+            decoder([Entry(token, i, (sequence,), False) for i, token in enumerate(tokens[:PROBE_CONTEXT])])
+            steps = np.stack([decoder([Entry(tokens[i], i, (sequence,), True)])[0].copy()
+                              for i in range(PROBE_CONTEXT, PROBE_CONTEXT + widest)])  # fmt: skip
+            for width in range(2, widest + 1):
+                model.remove_cells(sequence, PROBE_CONTEXT)
+                block = [Entry(tokens[i], i, (sequence,), True) for i in range(PROBE_CONTEXT, PROBE_CONTEXT + width)]
+                if not np.array_equal(decoder(block), steps[:width]):
+                    return width - 1
+            return widest
+        finally:
+            model.give_back(sequence)
 
 
 class LlamaCppMeter:
