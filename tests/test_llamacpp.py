@@ -348,7 +348,7 @@ def test_k_quant_weights_draft_chains_no_wider_than_their_kernels_keep_exact(f32
     require_exact(f32[0])
     path = quantized("Q4_K_M")
     model, tokenizer = load_model(str(path), backend="llama.cpp", threads=2)
-    with pytest.warns(UserWarning, match="Q4_K, Q6_K weights round a pass of more than"):
+    with pytest.warns(UserWarning, match="Q4_K, Q6_K weights: this file rounds a pass of more than"):
         engine = LookaheadEngine(model, tokenizer)
     assert engine.draft_mode == "chain" and engine.backend.max_draft == _widest_exact_pass(path) - 1 >= 1
     want = llama_greedy(model, prompts, TOKENS)
@@ -356,4 +356,17 @@ def test_k_quant_weights_draft_chains_no_wider_than_their_kernels_keep_exact(f32
     assert [out.token_ids for out in outputs] == want
     accepted = sum(out.stats.new_tokens - out.stats.steps - 1 for out in outputs)
     assert sum(out.stats.draft_tokens for out in outputs) > 0 and accepted > 0
+    model.close()
+
+
+def test_weights_no_pass_of_which_is_exact_decode_plainly(quantized, prompts, monkeypatch):
+    from lookahead.backends.llamacpp import backend
+
+    monkeypatch.setattr(backend, "widest_exact_pass", lambda model, widest: 1)
+    model, tokenizer = load_model(str(quantized("Q6_K")), backend="llama.cpp", threads=2)
+    with pytest.warns(UserWarning, match="drafting is off, decoding is plain"):
+        engine = LookaheadEngine(model, tokenizer)
+    assert engine.draft_mode == "off"
+    out, plain = engine.generate(prompts[0], 8), engine.generate(prompts[0], 8, use_lookahead=False)
+    assert out.stats.draft_tokens == 0 and out.token_ids == plain.token_ids
     model.close()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", default="bench-out/llama")
     args = parser.parse_args(argv)
-    if args.default_build and not Path(args.default_build).exists():
+    if args.default_build and shutil.which(args.default_build) is None:
         raise SystemExit(f"--default-build: no interpreter at {args.default_build}")
     prompts = load_prompts([s for s in args.sets.split(",") if s], args.limit)
     weights = [w for w in args.weights.split(",") if w]
@@ -218,58 +219,63 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows, batch_rows, divergences = [], [], []
     say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
-    for kind in weights:
+    workers: list[Worker] = []
+    try:
+        for kind in weights:
 
-        def own_engine(kind: str = kind) -> LookaheadEngine:
-            model, tokenizer = load_model(args.model, None if kind == "file" else kind, backend="llama.cpp",
-                                          threads=args.threads)  # fmt: skip
-            return LookaheadEngine(model, tokenizer)
+            def own_engine(kind: str = kind) -> LookaheadEngine:
+                model, tokenizer = load_model(args.model, None if kind == "file" else kind, backend="llama.cpp",
+                                              threads=args.threads)  # fmt: skip
+                return LookaheadEngine(model, tokenizer)
 
-        engines = (own_engine(), own_engine())
-        model = engines[0].model
-        label = f"{kind} ({model.file_type})"
-        say(f"== {label}: {model.path}")
-        ids = [engines[0].chat_ids([{"role": "user", "content": prompt.text}]) for prompt in prompts]
-        runs = llama_runs(model.path, args.threads, model.vocabulary.end_ids, args.max_new_tokens)
-        worker = None
-        if args.default_build:
-            worker = Worker(args.default_build, model.path, args.threads, model.vocabulary.end_ids, args.max_new_tokens)
-            say(f"default build: {worker.build}")
-            runs[DEFAULT_BUILD] = default_build_run(worker)
-        runs.update(engine_runs(engines, "llama.cpp", args.max_new_tokens))
-        references = dict.fromkeys(runs, REFERENCE)
-        margin_models = dict.fromkeys(runs, model)  # the model whose reference gives a divergence's margin
-        for dtype in [dtype for dtype in hf_dtypes if beside[dtype] == kind]:
-            hf_model, hf_tokenizer = load_model(args.model, dtype)
-            hf_engine = LookaheadEngine(hf_model, hf_tokenizer)
-            hf_label = "transformers" if dtype == "float32" else f"transformers {dtype}"
-            hf_runs = engine_runs((hf_engine, hf_engine), hf_label, args.max_new_tokens)
-            runs.update(hf_runs)
-            references.update(dict.fromkeys(hf_runs, f"plain (ours, {hf_label})"))
-            margin_models.update(dict.fromkeys(hf_runs, hf_model))
-        samples = one_stream(runs, prompts, ids, lambda text, label=label: say(f"{label}: {text}"))
-        rows += summarize_stream(label, samples, prompts, references)
-        for (method, number), (tokens, _, _) in samples.items():
-            want = samples[references[method], number][0]
-            index = first_difference(tokens, want) if method != references[method] else None
-            if index is not None and index < len(want):
-                margin = reference_margin(margin_models[method], ids[number], want, index)
-                divergences.append(divergence(label, method, prompts[number], index, margin))
-        if args.streams > 1:
-            run = closed_batches((own_engine(), own_engine()), ids, args.streams, args.max_new_tokens)
-            alone = [samples[REFERENCE, n][0] for n in range(len(ids))]
-            batch_rows += summarize_batches(label, args.streams, run, alone)
-            for lookahead, outs in run["outputs"].items():
-                method = f"{'lookahead' if lookahead else 'plain (ours)'}, {args.streams} streams"
-                for number, output in enumerate(outs):
-                    index = first_difference(output.token_ids, alone[number])
-                    if index is not None and index < len(alone[number]):
-                        margin = reference_margin(model, ids[number], alone[number], index)
-                        divergences.append(divergence(label, method, prompts[number], index, margin))
-        for engine in engines:
-            engine.model.close()
-        if worker is not None:
+            engines = (own_engine(), own_engine())
+            model = engines[0].model
+            label = f"{kind} ({model.file_type})"
+            say(f"== {label}: {model.path}")
+            ids = [engines[0].chat_ids([{"role": "user", "content": prompt.text}]) for prompt in prompts]
+            runs = llama_runs(model.path, args.threads, model.vocabulary.end_ids, args.max_new_tokens)
+            if args.default_build:
+                ends = model.vocabulary.end_ids
+                worker = Worker(args.default_build, model.path, args.threads, ends, args.max_new_tokens)
+                workers.append(worker)
+                say(f"default build: {worker.build}")
+                runs[DEFAULT_BUILD] = default_build_run(worker)
+            runs.update(engine_runs(engines, "llama.cpp", args.max_new_tokens))
+            references = dict.fromkeys(runs, REFERENCE)
+            margin_models = dict.fromkeys(runs, model)  # the model whose reference gives a divergence's margin
+            for dtype in [dtype for dtype in hf_dtypes if beside[dtype] == kind]:
+                hf_model, hf_tokenizer = load_model(args.model, dtype)
+                hf_engine = LookaheadEngine(hf_model, hf_tokenizer)
+                hf_label = "transformers" if dtype == "float32" else f"transformers {dtype}"
+                hf_runs = engine_runs((hf_engine, hf_engine), hf_label, args.max_new_tokens)
+                runs.update(hf_runs)
+                references.update(dict.fromkeys(hf_runs, f"plain (ours, {hf_label})"))
+                margin_models.update(dict.fromkeys(hf_runs, hf_model))
+            samples = one_stream(runs, prompts, ids, lambda text, label=label: say(f"{label}: {text}"))
+            rows += summarize_stream(label, samples, prompts, references)
+            for (method, number), (tokens, _, _) in samples.items():
+                want = samples[references[method], number][0]
+                index = first_difference(tokens, want) if method != references[method] else None
+                if index is not None and index < len(want):
+                    margin = reference_margin(margin_models[method], ids[number], want, index)
+                    divergences.append(divergence(label, method, prompts[number], index, margin))
+            if args.streams > 1:
+                run = closed_batches((own_engine(), own_engine()), ids, args.streams, args.max_new_tokens)
+                alone = [samples[REFERENCE, n][0] for n in range(len(ids))]
+                batch_rows += summarize_batches(label, args.streams, run, alone)
+                for lookahead, outs in run["outputs"].items():
+                    method = f"{'lookahead' if lookahead else 'plain (ours)'}, {args.streams} streams"
+                    for number, output in enumerate(outs):
+                        index = first_difference(output.token_ids, alone[number])
+                        if index is not None and index < len(alone[number]):
+                            margin = reference_margin(model, ids[number], alone[number], index)
+                            divergences.append(divergence(label, method, prompts[number], index, margin))
+            for engine in engines:
+                engine.model.close()
+    finally:
+        for worker in workers:
             worker.close()
+
     result = {
         **run_record("lookahead.bench.llamabench", args, argv),
         "one_stream": rows,

@@ -49,8 +49,9 @@ class Worker:
     a time; the process ends with `close()`."""
 
     def __init__(self, python: str, path: str | Path, threads: int, end_ids: Iterable[int], max_new_tokens: int):
-        command = [python, __file__, str(path), "--threads", str(threads), "--max-new-tokens", str(max_new_tokens),
-                   "--end-ids", ",".join(map(str, sorted(end_ids)))]  # fmt: skip
+        # -I: this file's folder (which holds modules named like common ones) is not put on the other path
+        command = [python, "-I", __file__, str(path), "--threads", str(threads), "--max-new-tokens",
+                   str(max_new_tokens), "--end-ids", ",".join(map(str, sorted(end_ids)))]  # fmt: skip
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.build = self._read()["build"]
         """`llama_cpp.llama_print_system_info()` of the worker's build (its kernels: LLAMAFILE = 1 or not)."""
@@ -69,9 +70,20 @@ class Worker:
         return json.loads(line)
 
     def close(self) -> None:
+        """End the worker (killed if it does not end within a minute of its input closing)."""
         if self.process.stdin is not None:
             self.process.stdin.close()
-        self.process.wait(timeout=60)
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
 
 
 def main(argv: list[str] | None = None) -> int:

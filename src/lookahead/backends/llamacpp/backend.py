@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -41,17 +42,32 @@ class LlamaCppBackend:
             )
         self.max_draft = config.decoding_length
         if model.inexact_types and self.draft_mode != "off":
-            widest = widest_exact_pass(model, min(config.decoding_length + 1, PROBE_WIDEST))
-            self.max_draft = widest - 1
-            self.draft_mode = "chain" if widest > 1 else "off"  # a chain leaves no tokens to lay again next call
-            warnings.warn(
-                f"{model.name}: llama.cpp's kernels for {', '.join(model.inexact_types)} weights round a pass of more "
-                f"than {widest} tokens differently from the one-token step, so a request's drafts here are single "
-                f"paths of at most {widest - 1} tokens: exact, with less speedup than on F32, F16, BF16, Q4_0, Q4_1, "
-                "Q5_0, Q5_1 or Q8_0 weights (rows batched together share wider passes; see README)",
-                stacklevel=3,
-            )
+            self._bound_drafts(model, config.decoding_length + 1)
         self.verifier = LlamaCppVerifier(model, self.max_draft, self.draft_mode == "tree", following=config.recycled)
+
+    def _bound_drafts(self, model: LlamaCppModel, wanted: int) -> None:
+        """Drafts as single paths no wider than the widest pass found exact on this model (none if no pass is)."""
+        widest = widest_exact_pass(model, min(wanted, PROBE_WIDEST))
+        types = ", ".join(model.inexact_types)
+        if widest < 2:
+            self.draft_mode = "off"
+            warnings.warn(
+                f"{model.name}: llama.cpp's kernels for {types} weights round every pass of several tokens "
+                "differently from the one-token step: drafting is off, decoding is plain (see README)",
+                stacklevel=4,
+            )
+            return
+        self.draft_mode = "chain"  # a chain leaves no accepted branch to lay again in the next call
+        self.max_draft = widest - 1
+        measured = f"rounds a pass of more than {widest} tokens differently" if widest < PROBE_WIDEST else (
+            f"was measured exact only up to {widest} tokens a pass")  # fmt: skip
+        warnings.warn(
+            f"{model.name}: llama.cpp's kernels for {types} weights: this file {measured} from the one-token step, so "
+            f"a request's drafts here are single paths of at most {widest - 1} tokens: exact, with less speedup than "
+            "on F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 weights (rows batched together share wider passes; "
+            "see README)",
+            stacklevel=4,
+        )
 
     def enable_batching(self) -> bool:
         return True
@@ -66,10 +82,24 @@ PROBE_WIDEST = 16
 """The widest pass the probe tries (a width past it is not claimed exact)."""
 
 
+_widest: weakref.WeakKeyDictionary[LlamaCppModel, dict[int, int]] = weakref.WeakKeyDictionary()
+"""`widest_exact_pass` of each model, by the widest asked: measured once, whatever engines share the model."""
+
+
 def widest_exact_pass(model: LlamaCppModel, widest: int) -> int:
     """The most tokens (up to `widest`) a pass may carry with every token getting the logits of its one-token step,
     bit for bit, on this model's kernels: found by passes of 2, 3, ... tokens against one-token steps after
-    PROBE_CONTEXT cached tokens (1: no wider pass is exact)."""
+    PROBE_CONTEXT cached tokens (1: no wider pass is exact, or the context has no room to tell)."""
+    widest = min(widest, model.cells - PROBE_CONTEXT)
+    if widest < 2:
+        return 1
+    known = _widest.setdefault(model, {})
+    if widest not in known:
+        known[widest] = _measure_widest(model, widest)
+    return known[widest]
+
+
+def _measure_widest(model: LlamaCppModel, widest: int) -> int:
     decoder = LlamaCppDecoder(model)
     tokens = [(100 + 7 * i) % model.vocab_size for i in range(PROBE_CONTEXT + widest)]
     with model.lock:
