@@ -21,6 +21,7 @@ from conftest import BENCHMARK_SETS, hf_greedy
 from lookahead import LookaheadConfig, LookaheadEngine, load_model
 from lookahead.bench.datasets import load_prompts
 from lookahead.bench.divergence import reference_margin
+from lookahead.bench.llamaworker import greedy
 from lookahead.cli import main
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="the llama.cpp backend is not installed (make test installs it)")
@@ -69,14 +70,7 @@ def references(prompts):
 def llama_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """llama-cpp-python's own greedy decoding of the same file: one token a step, up to its end-of-generation set."""
     reference = llama_cpp.Llama(str(model.path), n_ctx=2048, n_threads=2, n_threads_batch=2, verbose=False)
-    outputs = []
-    for ids in prompts:
-        out: list[int] = []
-        for token in reference.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
-            out.append(token)
-            if token in model.vocabulary.end_ids or len(out) == max_new_tokens:
-                break
-        outputs.append(out)
+    outputs = [greedy(reference, ids, model.vocabulary.end_ids, max_new_tokens) for ids in prompts]
     reference.close()
     return outputs
 

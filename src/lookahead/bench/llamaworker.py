@@ -35,7 +35,8 @@ def open_llama(path: str | Path, threads: int, **options: Any):
 
 
 def greedy(llama, ids: list[int], end_ids: Iterable[int], max_new_tokens: int) -> list[int]:
-    """`Llama.generate`'s greedy decoding of `ids` from an emptied cache (as a new request), up to an end id."""
+    """`Llama.generate`'s greedy decoding of `ids` as a new request, up to an end id (llama-cpp-python keeps the cells
+    of the prefix `ids` shares with its last prompt, as the engine does)."""
     ends, out = frozenset(end_ids), []
     for token in llama.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
         out.append(token)
@@ -78,12 +79,6 @@ class Worker:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-
-    def __enter__(self) -> Worker:
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.close()
 
 
 def main(argv: list[str] | None = None) -> int:
