@@ -79,3 +79,39 @@ def test_a_row_alone_sends_what_it_sends_with_the_whole_tree(runs, context, curv
     floored, whole = (drafting.fit([tree], len(context) - 1)[0] for tree in proposed)
     assert len(proposed[0]) <= len(proposed[1])
     assert (floored.tokens, floored.parents) == (whole.tokens, whole.parents)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    token_runs,
+    st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=6), min_size=2, max_size=4),
+    st.lists(st.floats(20.0, 300.0), min_size=2, max_size=12),
+    st.lists(st.floats(0.01, 1.0), min_size=4, max_size=4) | st.none(),
+    st.integers(1, 16),
+)
+def test_rows_of_a_packed_step_send_what_they_send_with_the_whole_trees(runs, contexts, curve, last, leaves):
+    """Each row's retrieval stops under its least chance (Drafting.least): the step sends the same nodes, whatever
+    the batch's price curve and the rows' worths in a closed batch."""
+    trie = TokenTrie(ngram_length=6)
+    for run in runs:
+        trie.insert(run)
+    rows = len(contexts)
+    cost = CostModel({1: 20.0, 64: 40.0}, batched={rows: dict(enumerate(curve, start=1))})
+    policy = DraftPolicy(cost)
+    policy.packed = True
+    drafting = TrieDrafting(LookaheadConfig(decoding_length=16, branch_length=8, match_length=3), trie, policy)
+    drafters = [drafting.open(runs[0][:4]) for _ in contexts]
+    last = None if last is None else [value / sum(last[:rows]) for value in last[:rows]]
+    context = max(map(len, contexts)) - 1
+    least = drafting.least(rows, context, last)
+    assert least is not None and len(least) == rows
+
+    def sent(floors: list[float]) -> list[DraftTree]:
+        trees = [
+            drafter.propose(tokens, 100, branching=True, least=floor).within_leaves(leaves)
+            for drafter, tokens, floor in zip(drafters, contexts, floors, strict=True)
+        ]
+        return drafting.fit(trees, context, last)
+
+    floored, whole = sent(least), sent([0.0] * rows)
+    assert [(tree.tokens, tree.parents) for tree in floored] == [(tree.tokens, tree.parents) for tree in whole]

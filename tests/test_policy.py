@@ -13,6 +13,7 @@ from lookahead.drafting.policy import (
     best_sizes,
     best_width,
     floor_factors,
+    least_gain,
     step_width,
 )
 from lookahead.drafting.tree import DraftTree
@@ -351,6 +352,70 @@ def test_rows_sure_to_end_first_draft_less_than_in_an_open_batch():
     assert [len(tree) for tree in closed] == [1, 1, 1, 3], "rows ending early: only their likeliest node"
     idle_last = _packed(CPU_LIKE_BATCH).fit([likely] * 3 + [DraftTree()], last=[0.0, 0.0, 0.0, 1.0])
     assert [len(tree) for tree in idle_last] == [2, 2, 2, 0], "nothing from the last row: more of theirs pay"
+
+
+def test_least_gain_worked_example():
+    assert least_gain([100.0, 102.0, 104.0, 112.0]) == pytest.approx(0.02)
+    assert least_gain([60.0 + 3 * m for m in range(40)]) == pytest.approx(3 / 60), "straight: a node's price share"
+    assert least_gain([50.0, 50.0, 50.0]) == 0.0, "a flat curve: any node may be sent"
+    assert least_gain([50.0, 40.0, 45.0]) == 0.0, "a wider step priced cheaper: no floor"
+
+
+def _least_gain_by_every_pair(costs: list[float]) -> float:
+    """least_gain's definition, pair by pair: the reference for its convex-hull walk."""
+    floors = []
+    for i in range(len(costs)):
+        for m in range(i + 1, len(costs)):
+            s = (costs[m] / costs[i] - 1) / (m - i)
+            if i * s < 1:  # else no node could sit there
+                floors.append(max(s / (1 - i * s), 0.0))
+    return min(floors, default=0.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(1.0, 500.0), min_size=1, max_size=40))
+def test_least_gain_is_the_least_over_every_pair(curve):
+    assert least_gain(curve) == pytest.approx(_least_gain_by_every_pair(curve), rel=1e-6, abs=1e-12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(probabilities.map(lambda ps: ps[:6]), min_size=2, max_size=5),
+    st.lists(st.floats(1.0, 500.0), min_size=2, max_size=8),
+    st.lists(st.floats(0.01, 1.0), min_size=5, max_size=5) | st.none(),
+)
+def test_a_packed_step_never_sends_a_node_under_its_rows_least_chance(chances, curve, last):
+    """Whatever the curve and the rows' worths, dropping every node under its row's least chance (what retrieval
+    does) changes nothing the packed step sends."""
+    rows = len(chances)
+    cost = CostModel({1: 50.0, 64: 60.0}, batched={rows: dict(enumerate(curve, start=1))})
+    policy = _packed(cost)
+    last = None if last is None else [value / sum(last[:rows]) for value in last[:rows]]
+    least = policy.least(rows, 6, last=last)
+    trees = [DraftTree(list(range(len(ps))), list(range(len(ps))), chances=ps) for ps in chances]
+    kept = [tree.prefix(sum(p >= floor for p in tree.chances)) for tree, floor in zip(trees, least, strict=True)]
+    sent = [len(tree) for tree in policy.fit(trees, last=last)]
+    assert all(size <= len(tree) for size, tree in zip(sent, kept, strict=True))
+    assert [len(tree) for tree in policy.fit(kept, last=last)] == sent
+
+
+def test_on_a_straight_price_the_least_chance_is_where_a_node_breaks_even():
+    straight = CostModel({1: 60.0, 64: 60.0}, batched={2: {1: 60.0, 2: 66.0, 8: 102.0, 64: 438.0}})  # 3 ms a node
+    policy = _packed(straight)
+    assert policy.least(2, 8) == pytest.approx([2 * 3 / 60] * 2), "two rows' tokens against one node's price"
+    above, below = DraftTree([1], [0], chances=[0.11]), DraftTree([2], [0], chances=[0.09])
+    assert [len(tree) for tree in policy.fit([above, below])] == [1, 0]
+
+
+def test_least_chances_cut_what_a_batch_retrieves_and_hold_no_row_alone():
+    policy = _packed(CPU_LIKE_BATCH)
+    least = policy.least(4, 32)
+    assert least is not None and len(set(least)) == 1 and 0.01 < least[0] < 1, least
+    worth = policy.least(4, 32, last=[0.0, 0.0, 0.0, 1.0])
+    assert worth[3] < least[0] < worth[0], "a row likely last needs less, a row ending early more"
+    assert policy.least(1, 32) is None, "a row alone has its own floors"
+    assert DraftPolicy(CPU_LIKE_BATCH).least(4, 32) is None, "padded rows share a width: no floor per row"
+    assert DraftPolicy(None).least(4, 32) is None
 
 
 def test_a_cost_models_measurement_forgets_what_it_learned():

@@ -198,7 +198,7 @@ def test_the_policy_sends_chains_where_drafting_pays() -> None:
     assert min(sent[-10:]) >= 4 * 4
 
 
-def test_retrieval_reaches_no_deeper_than_vllm_takes_and_a_row_alone_stops_at_its_floors(monkeypatch) -> None:
+def test_retrieval_reaches_no_deeper_than_vllm_takes_and_stops_at_the_floors(monkeypatch) -> None:
     chains = make_chains("adaptive", max_tokens=4)
     chains.drafting.policy.cost = TokensCost(1, 10.0)
     calls = []
@@ -210,6 +210,9 @@ def test_retrieval_reaches_no_deeper_than_vllm_takes_and_a_row_alone_stops_at_it
     chains.propose(Batch([alone.step([13]), other.step([12])]))
     assert [k["floors"] is not None for _, k in calls] == [True, False, False]
     assert [a[2] for a, _ in calls] == [4, 4, 4]  # as deep as the chain vLLM takes, not the trie's 32
+    least = chains.drafting.least(2, len(alone.tokens) - 1)
+    assert least is not None and least[0] > 0, "rows together: each stops under the least chance the step could send"
+    assert [k["min_score"] for _, k in calls] == [0.0, *least]
 
 
 def test_steps_that_read_a_prompt_are_not_priced() -> None:

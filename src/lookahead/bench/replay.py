@@ -205,7 +205,9 @@ class _Listener:
     def __init__(self) -> None:
         self.following: list[list[int]] = []
 
-    def propose(self, context: Sequence[int], room: int, branching: bool, alone: bool = False) -> DraftTree:
+    def propose(
+        self, context: Sequence[int], room: int, branching: bool, alone: bool = False, least: float = 0.0
+    ) -> DraftTree:
         return DraftTree()
 
     def verified(self, tree: DraftTree, accepted: Sequence[int], following: np.ndarray | None = None) -> None:
@@ -231,6 +233,9 @@ class _Listening:
 
     def fit(self, trees: Sequence[DraftTree], context: int, last: Sequence[float] | None = None) -> list[DraftTree]:
         return list(trees)
+
+    def least(self, rows: int, context: int, last: Sequence[float] | None = None) -> list[float] | None:
+        return None
 
     def observe(self, trees: Sequence[DraftTree], milliseconds: float, context: int) -> None:
         pass

@@ -84,8 +84,12 @@ def step(
     and the step's time is reported back to it. `last`: in a closed batch, each row's chance
     of ending last (what its tokens are worth: decoding/ends.py).
     """
-    trees = [_propose(generation, verifier, alone=len(generations) == 1) for generation in generations]
     context = longest_context(generations)
+    least = drafting.least(len(generations), context, last) if drafting is not None else None
+    trees = [
+        _propose(generation, verifier, len(generations) == 1, 0.0 if least is None else least[row])
+        for row, generation in enumerate(generations)
+    ]
     if drafting is not None:
         trees = drafting.fit(trees, context, last)
     verdicts, milliseconds = verifier.verify(generations, trees)
@@ -111,12 +115,13 @@ def longest_context(generations: Sequence[Generation]) -> int:
     return max(len(generation.tokens) for generation in generations) - 1
 
 
-def _propose(generation: Generation, verifier: Verifier, alone: bool) -> DraftTree:
+def _propose(generation: Generation, verifier: Verifier, alone: bool, least: float) -> DraftTree:
     if generation.drafter is None:
         return DraftTree()
     clock = time.perf_counter()
     leaves = verifier.max_leaves(generation)
-    tree = generation.drafter.propose(generation.tokens, generation.room, leaves > 1, alone=alone).within_leaves(leaves)
+    tree = generation.drafter.propose(generation.tokens, generation.room, leaves > 1, alone, least)
+    tree = tree.within_leaves(leaves)
     generation.stats.draft_s += time.perf_counter() - clock
     return tree
 

@@ -25,11 +25,14 @@ from .trie import TokenTrie
 class Drafter(Protocol):
     """One request's draft source."""
 
-    def propose(self, context: Sequence[int], room: int, branching: bool, alone: bool = False) -> DraftTree:
+    def propose(
+        self, context: Sequence[int], room: int, branching: bool, alone: bool = False, least: float = 0.0
+    ) -> DraftTree:
         """Candidates for the step whose root is `context[-1]`, likeliest first; `room` tokens may still be emitted.
 
         `branching` False asks for a single path (the model cannot verify a tree here); `alone`:
-        this row is the step's only one (a drafter may leave out what the step would never send).
+        this row is the step's only one; `least`: no node less likely than this can be sent in this
+        step (Drafting.least). A drafter may leave out what the step would never send.
         """
         ...
 
@@ -62,6 +65,11 @@ class Drafting(Protocol):
         """
         ...
 
+    def least(self, rows: int, context: int, last: Sequence[float] | None = None) -> list[float] | None:
+        """Per row of a step of `rows` rows, the least chance a node needs for `fit` ever to send it (None: any may
+        be sent), so that each row's drafter retrieves no more than the step could take."""
+        ...
+
     def observe(self, trees: Sequence[DraftTree], milliseconds: float, context: int) -> None:
         """The milliseconds the step that verified `trees` together (the longest after `context` tokens) took."""
         ...
@@ -83,7 +91,9 @@ class TrieDrafter:
         same of the nodes it turned down."""
         trie.insert(prompt, request=self.request)
 
-    def propose(self, context: Sequence[int], room: int, branching: bool, alone: bool = False) -> DraftTree:
+    def propose(
+        self, context: Sequence[int], room: int, branching: bool, alone: bool = False, least: float = 0.0
+    ) -> DraftTree:
         config, policy = self.config, self.policy
         self._root = context[-1]
         rates = policy.rates(self.rates).tolist() if policy.adaptive else None
@@ -98,7 +108,7 @@ class TrieDrafter:
             request=self.request,
             match_length=config.match_length,
             branching=branching,
-            min_score=config.min_score,
+            min_score=max(config.min_score, least),
             chance=None if rates is None else chance,
             floors=(lambda: policy.floors(config.decoding_length, len(context) - 1))
             if alone and policy.adaptive
@@ -157,6 +167,9 @@ class TrieDrafting:
 
     def fit(self, trees: Sequence[DraftTree], context: int, last: Sequence[float] | None = None) -> list[DraftTree]:
         return self.policy.fit(trees, context, last)
+
+    def least(self, rows: int, context: int, last: Sequence[float] | None = None) -> list[float] | None:
+        return self.policy.least(rows, self.config.decoding_length, context, last)
 
     def observe(self, trees: Sequence[DraftTree], milliseconds: float, context: int) -> None:
         self.policy.observe(trees, milliseconds, context)

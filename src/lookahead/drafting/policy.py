@@ -20,6 +20,7 @@ the same step, so a replay predicts the real run exactly.
 from __future__ import annotations
 
 import bisect
+import math
 import threading
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple, Protocol
@@ -513,6 +514,44 @@ def floor_factors(costs: Sequence[float], places: int = FLOOR_PLACES) -> np.ndar
     return factors
 
 
+def least_gain(costs: Sequence[float]) -> float:
+    """The least a draft node must add for `best_sizes` ever to send it, as a share of the plain step's gains.
+
+    `costs[m]` is the predicted price of a packed step carrying m draft nodes besides its rows'
+    roots (m = 0 … n, n at least every node offered). A node worth v (its row's worth times its
+    chance) is never sent unless v ≥ f · G0, G0 being the plain step's gains (the rows' worths
+    summed). Why: say the best prefix of the nodes in value order has m nodes and this node is
+    the (i + 1)-th. The prefix is worth at least its first i: (G_i + v + … ) / C(m) ≥ G_i / C(i)
+    with the m - i nodes from it on worth at most v each, so v ≥ G_i · s, s = (C(m) / C(i) - 1) /
+    (m - i); and G_i ≥ G0 + i · v (the i nodes before it are worth at least v), so v (1 - i s) ≥
+    G0 · s: impossible where i s ≥ 1, else v ≥ G0 · s / (1 - i s). f is the least of these
+    over 0 ≤ i < m ≤ n; on a straight curve it is a node's price over the plain step's. So a
+    row's retrieval can stop at the first node under its share of that floor (DraftPolicy.least).
+
+    Example: costs [100, 102, 104, 112]: from i = 0 the slopes s are 0.02, 0.02, 0.04; from i = 1
+    0.0196 and 0.049, giving 0.02 and 0.052; from i = 2 0.077, giving 0.091; so f = 0.02, and in
+    a step of 8 rows worth alike (G0 = 8 times a row's worth) a node needs a chance of 0.16.
+    """
+    cost = [float(value) for value in costs]
+    least = math.inf
+    hull: list[int] = []  # the lower convex hull of the points right of i, leftmost last
+
+    def slope(i: int, m: int) -> float:
+        return (cost[m] - cost[i]) / (m - i)
+
+    for i in range(len(cost) - 1, -1, -1):
+        while len(hull) >= 2 and slope(i, hull[-2]) <= slope(i, hull[-1]):
+            hull.pop()  # under the chord from i: never the flattest chord from here or further left
+        if hull:
+            s = slope(i, hull[-1]) / cost[i]  # the least s from i: where the hull touches the chord from i
+            if s <= 0:
+                return 0.0
+            if i * s < 1:
+                least = min(least, s / (1 - i * s))
+        hull.append(i)
+    return 0.0 if least == math.inf else least * (1 - FLOOR_SLACK)
+
+
 def _falling(values: Sequence[float]) -> np.ndarray:
     """`values` lowered where needed so that none exceeds an earlier one (the rank a prefix can be cut at)."""
     return np.minimum.accumulate(np.asarray(values, dtype=np.float64)) if len(values) else np.zeros(0)
@@ -575,6 +614,20 @@ class DraftPolicy:
             return [tree.prefix(size) for tree, size in zip(trees, sizes, strict=True)]
         size = best_width(chances, self.cost, context, worth)
         return [tree.prefix(size) for tree in trees]
+
+    def least(
+        self, rows: int, budget: int, context: int = BASE_CONTEXT, last: Sequence[float] | None = None
+    ) -> list[float] | None:
+        """Per row of a packed step of `rows` rows offering at most `budget` nodes each, the least chance a node needs
+        for `fit` ever to send it (`least_gain`): retrieval stops below it. None where no such floor holds: the
+        fixed policy, a row alone (its own floors do more: `floors`) or padded rows (a rank is sent for all rows
+        together, so a row's node may ride on the others')."""
+        if self.cost is None or rows < 2 or not self.packed:
+            return None
+        weights = np.ones(rows) if last is None else self.worth(last, context)
+        costs = self.cost.predict_widths((rows + np.arange(rows * budget + 1)) / rows, rows, context)
+        floor = least_gain(costs) * float(weights.sum())
+        return [floor / weight if weight > 0 else float(floor > 0) for weight in weights.tolist()]
 
     def worth(self, last: Sequence[float], context: int = BASE_CONTEXT) -> np.ndarray:
         """Milliseconds a token of each row of a closed batch takes off the batch, by its chance of ending last.

@@ -194,14 +194,15 @@ class ChainDrafting:
         if steady and batch.rows and len(batch.carried) == len(batch.rows):
             self._observe(batch, (now - self._last_call) * 1000.0)
         alone = len(batch.rows) == 1  # its price decides alone: retrieval may stop at its floors
+        context = max((row.length for row in batch.rows), default=1) - 1
+        least = self.drafting.least(len(batch.rows), context) or [0.0] * len(batch.rows)  # rows together: theirs
         trees: list[DraftTree] = []
-        for row, state in zip(batch.rows, states, strict=True):
+        for row, state, floor in zip(batch.rows, states, least, strict=True):
             if row.sampled and row.room > 1 and row.drafting:
                 room = min(row.room, self.max_tokens + 1)  # retrieved no deeper than the chain vLLM takes
-                trees.append(state.drafter.propose(row.tail, room, branching=False, alone=alone))
+                trees.append(state.drafter.propose(row.tail, room, branching=False, alone=alone, least=floor))
             else:
                 trees.append(DraftTree())
-        context = max((row.length for row in batch.rows), default=1) - 1
         if self.drafting.policy.adaptive:
             trees = self.drafting.fit(trees, context)
         elif self._adaptive:
