@@ -77,9 +77,6 @@ class _Line(NamedTuple):
 BASE_CONTEXT = 128
 """Cached tokens behind the measured width curves; curves at longer contexts scale them."""
 
-_Learned = dict[tuple[int, int], tuple[float, float, int]]
-"""(rows, width bucket) -> (a value learned from real steps, its steps of evidence, the step count when last seen)."""
-
 
 class CostModel:
     """Forward-pass milliseconds by width (root + draft nodes), rows (sequences verified together) and context.
@@ -102,16 +99,6 @@ class CostModel:
     factor of plain steps (width 1, which every policy can fall back to, so they are seen
     whenever drafting is priced too high). An underpriced drafting size is chosen, observed
     and repriced; an overpriced one loses its evidence as it ages and is tried again.
-
-    A drafting size is priced as its curve times the plain steps' factor plus a learned price
-    per draft node (what its steps took beyond that, over the nodes they carried), not as its
-    curve times its own factor: a factor on the whole step puts the size's whole correction on
-    its first node and leaves each further node at the curve's slope, far below what a row's
-    chain of nodes costs in a packed step, so the policy sent all of a bucket or nothing
-    (benchmarks/NOTES.md); a price per node starts at zero with the first node and grows with
-    each. A size never tried takes the dearest node price of the narrower sizes of its rows: a
-    curve that underprices narrow steps underprices wider ones at least as much. The factors
-    are still kept, for `overpriced`.
     """
 
     SMOOTH_FROM = 4
@@ -141,10 +128,8 @@ class CostModel:
         ]
         self.scale = 1.0
         """Observed / measured cost of plain steps, followed slowly: the machine's load and context."""
-        self._factors: _Learned = {}
+        self._factors: dict[tuple[int, int], tuple[float, float, int]] = {}
         """(rows, width bucket) -> (observed / measured, steps of evidence, step count when last seen)."""
-        self._node_prices: _Learned = {}
-        """(rows, width bucket > 0) -> (milliseconds a draft node adds beyond the curve, evidence, when last seen)."""
         self._steps = 0
 
     def measurement(self) -> CostModel:
@@ -212,22 +197,13 @@ class CostModel:
             prior = max(prior, self._blended(rows, bucket, self.scale))
         return factors
 
-    def _blended(self, rows: int, bucket: int, prior: float, learned: _Learned | None = None) -> float:
-        own = (self._factors if learned is None else learned).get((rows, bucket))
+    def _blended(self, rows: int, bucket: int, prior: float) -> float:
+        own = self._factors.get((rows, bucket))
         if own is None:
             return prior
-        value, evidence, seen = own
+        factor, evidence, seen = own
         evidence *= self.FORGET ** (self._steps - seen)
-        return (evidence * value + self.PRIOR_STEPS * prior) / (evidence + self.PRIOR_STEPS)
-
-    def _node_prices_by_bucket(self, rows: int, widest: int) -> list[float]:
-        """The learned price of a draft node in each width bucket up to `widest` (bucket 0, plain steps: none),
-        each bucket's prior the dearest of the narrower ones."""
-        prices, prior = [0.0], 0.0
-        for bucket in range(1, widest + 1):
-            prices.append(self._blended(rows, bucket, prior, self._node_prices))
-            prior = max(prior, self._blended(rows, bucket, 0.0, self._node_prices))
-        return prices
+        return (evidence * factor + self.PRIOR_STEPS * prior) / (evidence + self.PRIOR_STEPS)
 
     def predict(self, width: float, rows: int = 1, context: int = BASE_CONTEXT) -> float:
         return float(self.predict_widths([width], rows, context)[0])
@@ -236,9 +212,8 @@ class CostModel:
         """`predict` at many widths at once: a step prices every width it could send in one go."""
         width = np.asarray(widths, dtype=np.float64)
         buckets = _buckets(width)
-        prices = np.array(self._node_prices_by_bucket(rows, int(buckets.max(initial=0))))
-        plain = self._blended(rows, 0, self.scale)
-        return self._measured(width, rows, context) * plain + prices[buckets] * _nodes(width, rows)
+        factors = np.array(self._bucket_factors(rows, int(buckets.max(initial=0))))
+        return self._measured(width, rows, context) * factors[buckets]
 
     def overpriced(self, below: float, evidence: float) -> str | None:
         """A size whose recent steps ran under `below` times its measured price, with at least `evidence` steps
@@ -253,23 +228,16 @@ class CostModel:
 
     def observe(self, width: float, milliseconds: float, rows: int = 1, context: int = BASE_CONTEXT) -> None:
         """Learn from a real step of this size; a step 5x off its prediction is an outlier (a pause), ignored."""
-        measured = self.measured(width, rows, context)
-        ratio = milliseconds / measured
+        ratio = milliseconds / self.measured(width, rows, context)
         key = (rows, _bucket(width))
         if not 0.2 < ratio / self.factor(width, rows) < 5:
             return
         if width == 1:
             self.scale += 0.05 * (ratio - self.scale)
-        else:
-            node_price = (milliseconds - measured * self._blended(rows, 0, self.scale)) / float(_nodes(width, rows))
-            self._learn(self._node_prices, key, node_price)
-        self._learn(self._factors, key, ratio)
-        self._steps += 1
-
-    def _learn(self, learned: _Learned, key: tuple[int, int], value: float) -> None:
-        old, evidence, seen = learned.get(key, (value, 0.0, self._steps))
+        factor, evidence, seen = self._factors.get(key, (ratio, 0.0, self._steps))
         evidence = evidence * self.FORGET ** (self._steps - seen) + 1
-        learned[key] = (old + (value - old) * max(1 / evidence, self.LEARNING_RATE), evidence, self._steps)
+        self._factors[key] = (factor + (ratio - factor) * max(1 / evidence, self.LEARNING_RATE), evidence, self._steps)
+        self._steps += 1
 
 
 class StepCost(Protocol):
@@ -292,11 +260,6 @@ def _buckets(widths: np.ndarray) -> np.ndarray:
 
 def _bucket(width: float) -> int:
     return int(_buckets(np.float64(width)))
-
-
-def _nodes(width: np.ndarray | float, rows: int) -> np.ndarray:
-    """Draft nodes a step of `rows` rows of `width` tokens a row (on average) carries besides its roots."""
-    return np.maximum(np.asarray(width, dtype=np.float64) - 1, 0.0) * rows
 
 
 class Calibration:
