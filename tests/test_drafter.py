@@ -3,7 +3,7 @@
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_policy import FLAT, STEEP
+from test_policy import FLAT, STEEP, rising
 
 from lookahead.config import LookaheadConfig
 from lookahead.drafting.drafter import TrieDrafting
@@ -85,7 +85,7 @@ def test_a_row_alone_sends_what_it_sends_with_the_whole_tree(runs, context, curv
 @given(
     token_runs,
     st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=6), min_size=2, max_size=4),
-    st.lists(st.floats(20.0, 300.0), min_size=2, max_size=12),
+    st.one_of(rising, st.lists(st.floats(20.0, 300.0), min_size=2, max_size=12)),
     st.lists(st.floats(0.01, 1.0), min_size=4, max_size=4) | st.none(),
     st.integers(1, 16),
 )

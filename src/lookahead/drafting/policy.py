@@ -539,6 +539,8 @@ def least_gain(costs: Sequence[float]) -> float:
     def slope(i: int, m: int) -> float:
         return (cost[m] - cost[i]) / (m - i)
 
+    if min(cost, default=1.0) <= 0:
+        return 0.0  # a free step: no floor holds
     for i in range(len(cost) - 1, -1, -1):
         while len(hull) >= 2 and slope(i, hull[-2]) <= slope(i, hull[-1]):
             hull.pop()  # under the chord from i: never the flattest chord from here or further left
@@ -621,7 +623,8 @@ class DraftPolicy:
         """Per row of a packed step of `rows` rows offering at most `budget` nodes each, the least chance a node needs
         for `fit` ever to send it (`least_gain`): retrieval stops below it. None where no such floor holds: the
         fixed policy, a row alone (its own floors do more: `floors`) or padded rows (a rank is sent for all rows
-        together, so a row's node may ride on the others')."""
+        together, so a row's node may ride on the others'). As with `floors`, a step observed meanwhile by another
+        thread could only make a floor leave out a node the fit would have sent: outputs stay exact."""
         if self.cost is None or rows < 2 or not self.packed:
             return None
         weights = np.ones(rows) if last is None else self.worth(last, context)
