@@ -533,14 +533,14 @@ def least_gain(costs: Sequence[float]) -> float:
     a step of 8 rows worth alike (G0 = 8 times a row's worth) a node needs a chance of 0.16.
     """
     cost = [float(value) for value in costs]
+    if min(cost, default=1.0) <= 0:
+        return 0.0  # a free step: no floor holds
     least = math.inf
     hull: list[int] = []  # the lower convex hull of the points right of i, leftmost last
 
     def slope(i: int, m: int) -> float:
         return (cost[m] - cost[i]) / (m - i)
 
-    if min(cost, default=1.0) <= 0:
-        return 0.0  # a free step: no floor holds
     for i in range(len(cost) - 1, -1, -1):
         while len(hull) >= 2 and slope(i, hull[-2]) <= slope(i, hull[-1]):
             hull.pop()  # under the chord from i: never the flattest chord from here or further left
