@@ -133,10 +133,21 @@ def _cache_gap(forward: ModelForward) -> float | None:
 def check_direct_decoder(forward: ModelForward) -> None:
     """Run the model's layers as one loop (`forward.decoder`, decoder.py) if it is Llama-shaped and the loop gives
     the model's own logits bit for bit: prompts read, one-token steps, a draft tree, a packed batch of two rows and
-    a last-only read. Called before the forward is shared: nothing else runs passes through it meanwhile."""
+    a last-only read. Called before the forward is shared: nothing else runs passes through it meanwhile. A model
+    the loop is for that fails the check is warned of, with where it differs: its steps run slower, through the
+    model's forward."""
     decoder = DirectDecoder.of(forward.model)
-    if decoder is not None and _once(forward, "direct decoder", lambda: _direct_difference(forward, decoder)) is None:
+    if decoder is None:
+        return
+    difference = _once(forward, "direct decoder", lambda: _direct_difference(forward, decoder))
+    if difference is None:
         forward.decoder = decoder
+    else:
+        warnings.warn(
+            f"{type(forward.model).__name__}'s layers run through its own forward, slower: run as one loop they do "
+            f"not give its logits bit for bit ({difference})",
+            stacklevel=3,
+        )
 
 
 def _direct_difference(forward: ModelForward, decoder: DirectDecoder) -> str | None:
