@@ -285,6 +285,15 @@ def test_an_underpriced_width_is_learnt_and_then_not_chosen():
     assert [len(tree) for tree in policy.fit(trees)] == [0] * 8
 
 
+def test_batched_steps_after_a_long_context_are_priced_as_measured():
+    # SmolLM2 in float32 on 2 cores: one row, and 8 packed rows of chains, after 128 and 1,400 cached tokens
+    one_row, after_1400 = {1: 31.2, 4: 43.3, 8: 50.0, 32: 75.6}, {1: 36.3, 4: 51.3, 8: 60.4, 32: 95.3}
+    cost = CostModel(one_row, batched={8: {1: 55.3, 2: 62.9, 4: 80.3, 8: 117.7}}, contexts={1400: after_1400})
+    measured_8_rows = {1: 91.9, 2: 100.0, 4: 134.3, 8: 187.9}  # (the one-row ratio priced them 64-137 ms)
+    for width, ms in measured_8_rows.items():
+        assert 0.95 * ms <= cost.predict(width, rows=8, context=1400) <= 1.15 * ms, "within 15 %, rather above"
+
+
 def test_long_contexts_are_priced_by_their_own_curves():
     cost = CostModel({1: 10.0, 64: 20.0}, contexts={4096: {1: 30.0, 64: 60.0}})
     assert cost.contexts == [128, 4096]
@@ -292,7 +301,8 @@ def test_long_contexts_are_priced_by_their_own_curves():
     assert cost.predict(64, context=2112) == pytest.approx(40.0), "halfway between the measured lengths"
     assert cost.predict(1, context=8064) == pytest.approx(50.0), "past the longest: attention reads every token"
     batched = CostModel({1: 10.0, 64: 20.0}, batched={8: {1: 40.0, 64: 80.0}}, contexts={4096: {1: 30.0, 64: 60.0}})
-    assert batched.predict(1, rows=8, context=4096) == pytest.approx(120.0), "rows scale by the one-row ratio"
+    assert batched.predict(1, rows=8, context=4096) == pytest.approx(40.0 + 8 * 20.0), "each row reads its cache"
+    assert batched.predict(64, rows=8, context=4096) == pytest.approx(80.0 + 8 * 40.0)
     for _ in range(50):
         cost.observe(1, 60.0, context=4096)  # twice the measurement, seen at a long context
     assert cost.predict(1) == pytest.approx(20.0, rel=0.1), "the correction is by size, whatever the context"

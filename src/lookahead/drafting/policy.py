@@ -87,9 +87,13 @@ class CostModel:
     points are replaced by a least-squares line through them. `batched` adds a curve per
     measured row count; other row counts are interpolated between them (and extrapolated
     past the largest from the last two). `contexts` adds one-row curves measured after more
-    cached tokens than BASE_CONTEXT: a step after c tokens costs the base curve times the
-    one-row ratio at c (linear in c between measured lengths and past the longest, since
-    attention reads every cached token), for any row count.
+    cached tokens than BASE_CONTEXT: a step of r rows after c tokens costs the base curve plus
+    r times what the one-row curve adds at c (linear in c between measured lengths and past
+    the longest, since attention reads every cached token), as every row attends its own
+    cache (a packed step's to the longest row's length): what the context adds grows with the
+    rows, where the rest of a step, the weights read once, does not (scaled by the one-row
+    ratio instead, batched steps after long contexts were priced far under what they took, and
+    drafting steps further under than plain ones: benchmarks/NOTES.md).
 
     Real steps correct the measurement: each size of step — its row count and width bucket
     (1, 2, 3-4, 5-8, …) — learns its own factor (observed / measured). A start-up
@@ -161,7 +165,7 @@ class CostModel:
         at_base = one_row if rows == 1 or len(self._rows) == 1 else self._rows_at(width, rows)
         if len(self._contexts) == 1 or context == BASE_CONTEXT:
             return at_base
-        return at_base * self._longer(width, context, one_row) / one_row
+        return np.maximum(at_base + rows * (self._longer(width, context, one_row) - one_row), at_base * 0.5)
 
     def _rows_at(self, width: np.ndarray, rows: int) -> np.ndarray:
         known = self._rows
