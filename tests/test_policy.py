@@ -274,6 +274,18 @@ def test_a_wide_size_never_tried_is_priced_like_its_narrower_neighbours():
     assert cost.predict(16, rows=2) == pytest.approx(cost.measured(16, rows=2)), "other row counts are not told"
 
 
+def test_a_wider_size_that_ran_cheaper_than_a_narrower_one_is_not_priced_under_it():
+    cost = CostModel({1: 50.0, 8: 60.0}, batched={8: {1: 100.0, 4: 110.0, 16: 200.0}})
+    for _ in range(30):  # 8 rows of 5-8 tokens ran at 1.3x their price, of 9-16 and plain steps as measured
+        cost.observe(6, 1.3 * cost.measured(6, rows=8), rows=8)
+        cost.observe(12, cost.measured(12, rows=8), rows=8)
+        cost.observe(1, cost.measured(1, rows=8), rows=8)
+    widths = (8 + np.arange(8 * 16 + 1)) / 8  # every packed size of 8 rows up to 16 nodes each
+    assert (np.diff(cost.predict_widths(widths, rows=8)) >= 0).all(), "a step's price never falls with its nodes"
+    assert cost.predict(12, rows=8) == pytest.approx(cost.factor(6, rows=8) * cost.measured(12, rows=8))
+    assert min(_packed(cost).least(8, 16)) > 0, "so a packed step's rows have a floor to retrieve by"
+
+
 def test_an_underpriced_width_is_learnt_and_then_not_chosen():
     cost = CostModel({1: 50.0, 8: 60.0}, batched={8: {1: 100.0, 4: 105.0, 8: 160.0}})
     policy = DraftPolicy(cost)

@@ -188,16 +188,22 @@ class CostModel:
         The prior is `scale`, or a narrower size's factor of the same rows where that is
         higher: a curve that underprices narrow blocks underprices wider ones at least as
         much (8 rows, steps of 2-4 tokens a row ran 1.1-1.2x their price, of 5 and more
-        1.45x), so a wide size seldom tried is not taken for cheaper than its neighbours.
+        1.45x), so a wide size seldom tried is not taken for cheaper than its neighbours. And
+        no size's factor is below a narrower one's: a factor falling from one bucket to the
+        next makes the price fall where the bucket begins, a wider step priced under a narrower
+        one, which tells a packed step that any node may be worth sending to get there
+        (`least_gain` 0: every row of a batch retrieved its whole budget, benchmarks/NOTES.md).
         """
         bucket = _bucket(width)
         return self._bucket_factors(rows, bucket)[bucket]
 
     def _bucket_factors(self, rows: int, widest: int) -> list[float]:
-        """`factor` of every width bucket up to `widest`, in one pass (each bucket's prior: the running maximum)."""
+        """`factor` of every width bucket up to `widest`, in one pass (each bucket's prior: the running maximum; its
+        factor at least the narrower bucket's)."""
         factors, prior = [], self.scale
         for bucket in range(widest + 1):
-            factors.append(self._blended(rows, bucket, prior))
+            own = self._blended(rows, bucket, prior)
+            factors.append(max(own, factors[-1]) if factors else own)
             prior = max(prior, self._blended(rows, bucket, self.scale))
         return factors
 
