@@ -1,5 +1,7 @@
 """The direct decoder: a Llama-shaped model's layers as one loop, used only where it gives the model's own bits."""
 
+import warnings
+
 import pytest
 import torch
 from tiny_models import FAMILIES, tiny_model
@@ -107,6 +109,14 @@ def test_hooks_or_a_replaced_forward_keep_the_models_forward():
     patched.forward = patched.forward  # as wrappers that patch a model do
     assert DirectDecoder.of(tiny_model("llama")) is not None
     assert DirectDecoder.of(hooked) is None and DirectDecoder.of(patched) is None
+
+
+def test_a_loop_that_gives_the_models_bits_is_used_without_a_word():
+    forward = ModelForward(tiny_model("llama"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_direct_decoder(forward)
+    assert forward.decoder is not None
 
 
 def test_the_switch_turns_the_loop_off():

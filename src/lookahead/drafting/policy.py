@@ -75,7 +75,7 @@ class _Line(NamedTuple):
 
 
 BASE_CONTEXT = 128
-"""Cached tokens behind the measured width curves; curves at longer contexts scale them."""
+"""Cached tokens behind the measured width curves; what curves at other contexts add is added to them."""
 
 
 class CostModel:
@@ -91,9 +91,9 @@ class CostModel:
     r times what the one-row curve adds at c (linear in c between measured lengths and past
     the longest, since attention reads every cached token), as every row attends its own
     cache (a packed step's to the longest row's length): what the context adds grows with the
-    rows, where the rest of a step, the weights read once, does not (scaled by the one-row
-    ratio instead, batched steps after long contexts were priced far under what they took, and
-    drafting steps further under than plain ones: benchmarks/NOTES.md).
+    rows, where the rest of a step, the weights read once, does not (benchmarks/NOTES.md). A
+    longer context never adds less than nothing: two measurements' noise, times the rows, must
+    not make a step cheaper than after fewer tokens.
 
     Real steps correct the measurement: each size of step — its row count and width bucket
     (1, 2, 3-4, 5-8, …) — learns its own factor (observed / measured). A start-up
@@ -102,7 +102,8 @@ class CostModel:
     sizes cannot undo a wrong shape. A size without recent evidence takes `scale`, the
     factor of plain steps (width 1, which every policy can fall back to, so they are seen
     whenever drafting is priced too high). An underpriced drafting size is chosen, observed
-    and repriced; an overpriced one loses its evidence as it ages and is tried again.
+    and repriced; an overpriced one loses its evidence as it ages and is tried again, at no
+    less than a narrower size's factor (`_bucket_factors`).
     """
 
     SMOOTH_FROM = 4
@@ -165,7 +166,10 @@ class CostModel:
         at_base = one_row if rows == 1 or len(self._rows) == 1 else self._rows_at(width, rows)
         if len(self._contexts) == 1 or context == BASE_CONTEXT:
             return at_base
-        return np.maximum(at_base + rows * (self._longer(width, context, one_row) - one_row), at_base * 0.5)
+        extra = self._longer(width, context, one_row) - one_row
+        if context > BASE_CONTEXT:
+            extra = np.maximum(extra, 0.0)
+        return np.maximum(at_base + rows * extra, at_base * 0.5)
 
     def _rows_at(self, width: np.ndarray, rows: int) -> np.ndarray:
         known = self._rows
@@ -182,24 +186,18 @@ class CostModel:
         c0, c1 = curve0.at(width), curve1.at(width)
         return np.maximum(c0 + (c1 - c0) * (context - l0) / (l1 - l0), one_row * 0.5)
 
-    def factor(self, width: float, rows: int = 1) -> float:
-        """How real steps of this size compare with the measurement: its own recent evidence blended with a prior.
+    def _bucket_factors(self, rows: int, widest: int) -> list[float]:
+        """For each width bucket up to `widest`, how real steps of that size compare with the measurement: its own
+        recent evidence blended with a prior.
 
         The prior is `scale`, or a narrower size's factor of the same rows where that is
         higher: a curve that underprices narrow blocks underprices wider ones at least as
-        much (8 rows, steps of 2-4 tokens a row ran 1.1-1.2x their price, of 5 and more
-        1.45x), so a wide size seldom tried is not taken for cheaper than its neighbours. And
+        much (benchmarks/NOTES.md), so a wide size seldom tried is not taken for cheaper than its neighbours. And
         no size's factor is below a narrower one's: a factor falling from one bucket to the
         next makes the price fall where the bucket begins, a wider step priced under a narrower
         one, which tells a packed step that any node may be worth sending to get there
         (`least_gain` 0: every row of a batch retrieved its whole budget, benchmarks/NOTES.md).
         """
-        bucket = _bucket(width)
-        return self._bucket_factors(rows, bucket)[bucket]
-
-    def _bucket_factors(self, rows: int, widest: int) -> list[float]:
-        """`factor` of every width bucket up to `widest`, in one pass (each bucket's prior: the running maximum; its
-        factor at least the narrower bucket's)."""
         factors, prior = [], self.scale
         for bucket in range(widest + 1):
             own = self._blended(rows, bucket, prior)
@@ -237,10 +235,11 @@ class CostModel:
         return None
 
     def observe(self, width: float, milliseconds: float, rows: int = 1, context: int = BASE_CONTEXT) -> None:
-        """Learn from a real step of this size; a step 5x off its prediction is an outlier (a pause), ignored."""
+        """Learn from a real step of this size; a step 5x off what its size has been running at is an outlier (a
+        pause), ignored."""
         ratio = milliseconds / self.measured(width, rows, context)
         key = (rows, _bucket(width))
-        if not 0.2 < ratio / self.factor(width, rows) < 5:
+        if not 0.2 < ratio / self._blended(rows, key[1], self.scale) < 5:  # its own, not a narrower size's floor
             return
         if width == 1:
             self.scale += 0.05 * (ratio - self.scale)
