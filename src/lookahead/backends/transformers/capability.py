@@ -142,9 +142,7 @@ def check_direct_decoder(forward: ModelForward) -> None:
     decoder = DirectDecoder.of(forward.model)
     if decoder is None:
         return
-    difference = _once(  # looked at twice: a difference one start found was never found again (NOTES)
-        forward, "direct decoder", lambda: _direct_difference(forward, decoder) and _direct_difference(forward, decoder)
-    )
+    difference = _once(forward, "direct decoder", lambda: _direct_difference(forward, decoder))
     if difference is None:
         forward.decoder = decoder
     elif not difference.startswith(_MODEL_FAILED):  # a pass the model cannot run: the later probes say why
