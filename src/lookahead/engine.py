@@ -258,15 +258,17 @@ class LookaheadEngine:
         return decode(generation, self.verifier, self._drafting(use_lookahead))
 
     def _enable_batching(self, max_batch: int) -> None:
-        """Once: let the backend verify rows together (probing how, where it must), and price batched steps.
+        """Let the backend verify up to `max_batch` rows together (probing how, where it must), and, once, price
+        batched steps.
 
-        Steps of more rows than this first batch's `max_batch` are priced by extrapolation.
+        Steps of more rows than the first batch's `max_batch` are priced by extrapolation.
         """
         with self._batching_lock:
+            self.policy.packed = self.backend.enable_batching(max_batch)
+            self.max_positions = self.backend.max_positions
             if self._batching_priced:
                 return
             self._batching_priced = True
-            self.policy.packed = self.backend.enable_batching()
             if self.backend.verifier.batched and self.policy.adaptive:
                 self.policy.cost = cost_model(self.backend.meter(batched=True), max_batch)
 

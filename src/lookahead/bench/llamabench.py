@@ -142,7 +142,7 @@ def closed_batches(
     """Groups of `streams` prompts through generate_batch, plain (first engine) and lookahead (second) alternating
     group by group."""
     for engine in engines:  # warm-up: probes and the batched cost curves
-        engine.generate_batch(ids[:2], 4, max_batch=streams, use_lookahead=False, progress=False)
+        engine.generate_batch(ids[:streams], 4, max_batch=streams, use_lookahead=False, progress=False)
     outputs: dict[bool, list] = {False: [], True: []}
     seconds = {False: 0.0, True: 0.0}
     for start in range(0, len(ids), streams):

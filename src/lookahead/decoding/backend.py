@@ -34,9 +34,10 @@ class Backend(Protocol):
     give plain decoding's tokens."""
     verifier: Verifier
 
-    def enable_batching(self) -> bool:
-        """Verify the rows of a batch together from now on, where the runtime can; True if each row then pays only
-        for its own tokens (packed), False if for the widest row's (padded) or if rows are verified one at a time."""
+    def enable_batching(self, max_batch: int) -> bool:
+        """Verify the rows of a batch (up to `max_batch` at once) together from now on, where the runtime can; True if
+        each row then pays only for its own tokens (packed), False if for the widest row's (padded) or if rows are
+        verified one at a time. May change `max_positions`."""
         ...
 
     def meter(self, batched: bool = False) -> Meter:

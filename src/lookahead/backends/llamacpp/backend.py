@@ -69,11 +69,21 @@ class LlamaCppBackend:
             stacklevel=4,
         )
 
-    def enable_batching(self) -> bool:
-        return True
+    def enable_batching(self, max_batch: int) -> bool:
+        """Batches run on a context with a KV stream per row (LlamaCppModel.streamed): in the one unified cache every
+        token of a batched call would attend over every row's cells. Rows of a call are padded to the widest."""
+        if self.model.recurrent:
+            return True
+        current = self.verifier.model
+        if current.streams and current.sequences >= max_batch:
+            return False
+        streamed = self.model.streamed(max_batch)
+        self.verifier.use_streams(streamed)
+        self.max_positions = min(self.model.trained_context, streamed.cells)
+        return False
 
     def meter(self, batched: bool = False) -> LlamaCppMeter:
-        return LlamaCppMeter(self.model)
+        return LlamaCppMeter(self.verifier.model if batched else self.model)
 
 
 PROBE_CONTEXT = 40
@@ -121,13 +131,12 @@ def _measure_widest(model: LlamaCppModel, widest: int) -> int:
 class LlamaCppMeter:
     """Passes of `rows` sequences of `width` tokens each in one `llama_decode`, as a step of that many rows."""
 
-    batch_key = ""
-
     def __init__(self, model: LlamaCppModel) -> None:
         self.model = model
         stat = model.path.stat()
         kernels = "exact" if model.exact else "llamafile"  # another build, other kernels, other costs
         self.key = f"llama.cpp|{model.path}|{stat.st_size}|{stat.st_mtime_ns}|threads={model.threads}|{kernels}"
+        self.batch_key = "|streams" if model.streams else ""  # rows in streams of their own: other batched costs
         self.max_positions = min(model.trained_context, model.cells)
 
     @contextlib.contextmanager

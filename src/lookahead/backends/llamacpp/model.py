@@ -3,7 +3,14 @@
 The context's KV cache is unified (every sequence's cells in one buffer), which is what lets a
 draft tree go into one `llama_decode` with a sequence id per leaf (verifier.py), and lets
 requests share a call. Flash attention is off, as in llama-cpp-python's own `Llama` by
-default, so plain decoding here runs the same kernels as that reference.
+default, so plain decoding here runs the same kernels as that reference. (Its CPU kernel would
+skip other rows' cells, but sums a one-token step over a long context in per-thread chunks and
+a pass of several tokens in one run, so the two would round differently.)
+
+In a unified cache every token of a batched call attends over every row's cells (masked), so a
+batch's step grows with the sum of its rows' contexts. `streamed(rows)` gives batches a sibling
+context on the same weights with a KV stream per sequence: each row reads only its own cells, at
+the price of no token in two sequences (drafts are single paths) and rows of equal widths.
 
 The tokenizer stays the transformers one (chat templates, incremental detokenization): at
 load its vocabulary must match the GGUF's id for id, or the model is refused.
@@ -11,6 +18,7 @@ load its vocabulary must match the GGUF's id for id, or the model is refused.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import logging
 import os
@@ -26,6 +34,9 @@ SUPPORTED = ((0, 3, 36), (0, 3, 37))
 INSTALL = "pip install 'lookahead[llama]'"
 BATCH_TOKENS = 1024
 """Most tokens one `llama_decode` call takes (a prompt is read in calls of at most this many)."""
+STREAM_CELLS = 2048
+"""Fewest KV cells a row's stream gets in a streamed context (`LlamaCppModel.streamed`): the most tokens a batched
+request may hold unless the model is loaded with a larger `context`."""
 EXACT_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})
 """Weight types whose passes of 2-16 tokens give each token the one-token step's logits, bit for bit, on a build
 without llamafile's kernels (measured on all of them; the tests hold Q8_0, Q4_0 and the bundled Q4_1 and F32 files).
@@ -101,44 +112,74 @@ class LlamaCppModel:
         if tokenizer is not None:
             check_vocabulary(self._token_texts(), tokenizer, self.path.name)
         self.trained_context = int(lib.llama_model_n_ctx_train(model))
-        self.sequences = min(sequences or lib.llama_max_parallel_sequences(), lib.llama_max_parallel_sequences())
-        cells = context or min(self.trained_context, 32768)
-        cparams = lib.llama_context_default_params()
-        cparams.n_ctx = cells
-        cparams.n_batch = cparams.n_ubatch = BATCH_TOKENS
-        cparams.n_seq_max = self.sequences
-        cparams.kv_unified = True
-        cparams.n_threads = cparams.n_threads_batch = self.threads
-        cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        cparams.no_perf = True
-        ctx = lib.llama_init_from_model(model, cparams)
-        if not ctx:
-            raise ValueError(f"{self.path}: llama.cpp cannot make a context of {cells} cells for this model")
-        self.ctx = ctx
-        self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _free, lib, model, [ctx])
-        self.cells = int(lib.llama_n_ctx(ctx))
-        self.memory = lib.llama_get_memory(ctx)
-        self.lock = threading.Lock()
-        """Held by whoever is using the context (one decode at a time)."""
         self.name = self.path.name
         self.file_type = _file_type(lib, model)
         self.exact = b"LLAMAFILE = 1" not in lib.llama_print_system_info()
         """True if multi-token passes sum as the one-token step does (a build without llamafile's kernels)."""
         self.inexact_types = tuple(sorted(weight_types(self.path) - EXACT_TYPES))
         """The file's weight types not known to round a multi-token pass as the one-token step (none: all are)."""
-        self._free = list(range(self.sequences - 1, -1, -1))
+        self.streams = False
+        """True if each sequence has a KV stream of its own (see `streamed`)."""
+        self._streamed: LlamaCppModel | None = None
+        sequences = min(sequences or lib.llama_max_parallel_sequences(), lib.llama_max_parallel_sequences())
+        self._contexts: list[Any] = []
+        """Every context made on these weights (this one's and its streamed siblings'), freed with them."""
+        self._open(context or min(self.trained_context, 32768), sequences)
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _free, lib, model, self._contexts)
+
+    def _open(self, cells: int, sequences: int) -> None:
+        """Make this object's context: `cells` KV cells in all, for `sequences` sequence ids."""
+        lib = self.lib
+        self.sequences = sequences
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = cells
+        cparams.n_batch = cparams.n_ubatch = BATCH_TOKENS
+        cparams.n_seq_max = sequences
+        cparams.kv_unified = not self.streams
+        cparams.n_threads = cparams.n_threads_batch = self.threads
+        cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cparams.no_perf = True
+        ctx = lib.llama_init_from_model(self._model, cparams)
+        if not ctx:
+            raise ValueError(f"{self.path}: llama.cpp cannot make a context of {cells} cells for this model")
+        self.ctx = ctx
+        self._contexts.append(ctx)
+        self.cells = int(lib.llama_n_ctx_seq(ctx))
+        """KV cells one sequence may hold (all of them in a unified cache)."""
+        self.memory = lib.llama_get_memory(ctx)
+        self.lock = threading.Lock()
+        """Held by whoever is using the context (one decode at a time)."""
+        self._free = list(range(sequences))
         self.rows = 0
         """Sequence ids held between steps: running generations' and the kept prefix's, not a step's leaves."""
         self._kept: tuple[int, list[int]] | None = None
         """The sequence and tokens of the last generation to end, kept for the next prompt's common prefix."""
+
+    def streamed(self, rows: int) -> LlamaCppModel:
+        """A context on these weights for batches of up to `rows` rows, each sequence with a KV stream of its own
+        (made once and shared by the engines on this model; remade larger if more rows are asked for). Its cells,
+        as many as this context's but at least STREAM_CELLS a stream, are split evenly among the streams, as
+        llama.cpp's server splits its context among its slots."""
+        if self.streams:
+            raise ValueError("this context already has a stream per sequence")
+        if self._streamed is None or self._streamed.sequences < rows:
+            sibling = copy.copy(self)
+            sibling.streams = True
+            sibling._parent = self  # the weights and every context are freed with this object (or its `close`)
+            sibling._streamed = None
+            sibling._open(max(self.cells, rows * STREAM_CELLS), rows)
+            self._streamed = sibling
+        return self._streamed
 
     def take_sequence(self, row: bool = False) -> int:
         """A sequence id no one holds, with no cells (the lowest free); `row`: for a generation, not a leaf."""
         if not self._free:
             raise RuntimeError(f"llama.cpp allows {self.sequences} sequences: all are in use")
         self.rows += row
-        return self._free.pop()
+        lowest = min(self._free)
+        self._free.remove(lowest)
+        return lowest
 
     def give_back(self, sequence: int, row: bool = False) -> None:
         """Drop `sequence`'s cells and make it free again."""
@@ -149,7 +190,9 @@ class LlamaCppModel:
     # ---- the memory: sequences of cells (call with the lock held) --------------------------------
 
     def copy_cells(self, source: int, target: int, start: int = -1, end: int = -1) -> None:
-        """Add `target` to the cells of `source` at positions [start, end) (-1: open); no data moves."""
+        """Add `target` to the cells of `source` at positions [start, end) (-1: open); no data moves. With a stream
+        per sequence only whole sequences are copied: `target`'s stream becomes a copy of `source`'s (cell for cell,
+        at the next decode)."""
         self.lib.llama_memory_seq_cp(self.memory, source, target, start, end)
 
     def remove_cells(self, sequence: int, start: int = -1, end: int = -1) -> None:
@@ -167,7 +210,11 @@ class LlamaCppModel:
 
     def keep_prefix(self, sequence: int, tokens: list[int]) -> None:
         """Keep a finished generation's sequence (a row's id, held) and its `tokens` for the next prompt's prefix,
-        as llama.cpp's own loop keeps its last prompt; the one kept before is freed."""
+        as llama.cpp's own loop keeps its last prompt; the one kept before is freed. With a stream per sequence
+        nothing is kept (its cells could only be shared by copying the whole stream): the id is freed."""
+        if self.streams:
+            self.give_back(sequence, row=True)
+            return
         if self._kept is not None:
             self.give_back(self._kept[0], row=True)
         self._kept = (sequence, tokens)
@@ -205,7 +252,7 @@ class LlamaCppModel:
         return [lib.llama_vocab_get_text(vocab, token).decode("utf-8", "replace") for token in range(self.vocab_size)]
 
     def close(self) -> None:
-        """Free the context and the weights now (else when the model is collected)."""
+        """Free the weights and every context on them now (else when the model is collected)."""
         self._finalizer()
 
 

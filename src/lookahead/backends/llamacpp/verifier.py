@@ -21,6 +21,14 @@ decoding's bit for bit.
 Rows joined to this verifier share each call; a generation's sequence is taken at `join` and
 released at `leave`. Sequence ids are few (llama.cpp allows 256): with `rows` rows joined, a
 row's tree may have at most (256 - rows) // rows leaves (`max_leaves`).
+
+On a context with a KV stream per sequence (`use_streams`, for batches) a token belongs to one
+sequence only, so drafts are single paths written straight into the row's own sequence, and
+the cells past the accepted ones are dropped after the walk. llama.cpp puts a call in one pass
+only if its rows are consecutive sequence ids with equally many tokens: the rows hold ids 0, 1,
+... (a row that leaves is replaced by the last, its stream copied cell for cell), and every
+row, and every id between them that has no row in the call, is padded to the widest row's
+tokens with cells dropped after the pass.
 """
 
 from __future__ import annotations
@@ -153,14 +161,40 @@ class LlamaCppVerifier:
         """The generation's sequence is kept by the model for its prefix (see LlamaCppModel.keep_prefix)."""
         pending = self._pending.pop(generation, 0)
         sequence = self._sequence.pop(generation, None)
-        if sequence is not None:
+        if sequence is not None and self.model.streams:
+            with self.model.lock:
+                self._close_gap(sequence)
+        elif sequence is not None:
             with self.model.lock:
                 cached = self.model.last_position(sequence) + 1
                 self.model.keep_prefix(sequence, generation.tokens[: min(cached, len(generation.tokens) - 1 - pending)])
 
+    def use_streams(self, model: LlamaCppModel) -> None:
+        """Verify on `model`, a context with a stream per sequence (LlamaCppModel.streamed), from now on."""
+        if self._sequence:
+            raise RuntimeError(
+                f"a batch of {model.sequences} rows cannot start while {len(self._sequence)} rows run on this engine's "
+                f"llama.cpp context (of {self.model.sequences} sequences): start the larger batch first"
+            )
+        self.model = model
+        self.decoder = LlamaCppDecoder(model)
+
+    def _close_gap(self, sequence: int) -> None:
+        """Free a leaving row's stream; the row of the highest id, if above it, moves in (its stream copied)."""
+        model = self.model
+        model.remove_cells(sequence)
+        last = max(self._sequence, key=self._sequence.__getitem__, default=None)
+        if last is None or self._sequence[last] < sequence:
+            model.give_back(sequence, row=True)
+            return
+        highest = self._sequence[last]
+        model.copy_cells(highest, sequence)
+        self._sequence[last] = sequence
+        model.give_back(highest, row=True)
+
     def max_leaves(self, generation: Generation) -> int:
         """The model's sequence ids shared out among the running rows (each keeps one for itself)."""
-        if not self.branching:
+        if not self.branching or self.model.streams:
             return 1
         rows = max(self.model.rows, 1)
         return max(1, min(self.max_draft, (self.model.sequences - rows) // rows))
@@ -179,7 +213,10 @@ class LlamaCppVerifier:
         """Every row's next prompt tokens in as few calls as fit; each completed prompt's first token."""
         entries: list[Entry] = []
         finishing: list[Generation] = []
-        for generation, count in zip(generations, counts, strict=True):
+        ordered = list(zip(generations, counts, strict=True))
+        if self.model.streams:  # by sequence id: llama.cpp puts consecutive streams in one pass
+            ordered.sort(key=lambda row: self._sequence[row[0]])
+        for generation, count in ordered:
             if not generation.prefilled:
                 with self.model.lock:
                     generation.prefilled = self.model.reuse_prefix(generation.prompt, self._sequence[generation])
@@ -208,28 +245,46 @@ class LlamaCppVerifier:
         return [firsts.get(generation) for generation in generations]
 
     def verify(self, generations: Sequence[Generation], trees: Sequence[DraftTree]) -> tuple[list[Verdict], float]:
-        decoder = self.decoder
+        decoder, model = self.decoder, self.model
+        streams = model.streams
         entries: list[Entry] = []
-        plans: list[tuple[Generation, DraftTree, int, list[int], list[int], list[int]]] = []
-        with self.model.lock:
-            for generation, tree in zip(generations, trees, strict=True):
+        plans: list[tuple[int, DraftTree, int, list[int], list[int], list[int]]] = []
+        gaps: list[tuple[int, int]] = []
+        """Sequences padded in a call that are not its rows: (id, the first position padded)."""
+        rows = range(len(generations))
+        if streams:  # consecutive ids, equally many tokens each
+            rows = sorted(rows, key=lambda row: self._sequence[generations[row]])
+            width = max(len(tree) + 1 + self._pending.get(generations[row], 0) for row, tree in enumerate(trees))
+        with model.lock:
+            previous = None
+            for row in rows:
+                generation, tree = generations[row], trees[row]
                 base = self._sequence[generation]
                 past = len(generation.tokens) - 1
                 pending = self._pending.get(generation, 0)
-                if self.model.last_position(base) != past - 1 - pending:
+                if model.last_position(base) != past - 1 - pending:
                     raise RuntimeError("a generation's llama.cpp sequence does not match its tokens")
+                if streams:
+                    for gap in range(base if previous is None else previous + 1, base):
+                        start = model.last_position(gap) + 1
+                        gaps.append((gap, start))
+                        entries.extend(Entry(0, start + i, (gap,), False) for i in range(width))
+                    previous = base
                 order, leaves, below = _tree_layout(tree)
-                borrowed = [self.model.take_sequence() for _ in leaves]
+                borrowed = [] if streams else [model.take_sequence() for _ in leaves]
                 for leaf in borrowed:
-                    self.model.copy_cells(base, leaf)
+                    model.copy_cells(base, leaf)
                 for position in range(past - pending, past):  # accepted last step, but not in place: laid again
                     entries.append(Entry(generation.tokens[position], position, (base, *borrowed), False))
                 depths = [0, *tree.depths]
                 tokens = [generation.tokens[-1], *tree.tokens]
-                plans.append((generation, tree, base, leaves, borrowed, [len(entries) + i for i in np.argsort(order)]))
+                plans.append((row, tree, base, leaves, borrowed, [len(entries) + i for i in np.argsort(order)]))
                 for index in order:
-                    sequences = [borrowed[n] for n in below[index]] if index else [base, *borrowed]
+                    sequences = [base, *borrowed] if not index or streams else [borrowed[n] for n in below[index]]
                     entries.append(Entry(tokens[index], past + depths[index], sequences, True))
+                if streams:  # cells dropped after the walk, with the nodes turned down
+                    padding = width - len(tree) - 1 - pending
+                    entries.extend(Entry(tokens[0], past + 1 + len(tree) + i, (base,), False) for i in range(padding))
             tick = time.perf_counter()
             try:
                 logits = decoder(entries)
@@ -237,21 +292,28 @@ class LlamaCppVerifier:
                 for *_, borrowed, _ in plans:
                     self._release(borrowed)
                 raise
+            finally:
+                for gap, start in gaps:
+                    model.remove_cells(gap, start)
             tock = time.perf_counter()
-            verdicts = []
+            verdicts: dict[int, Verdict] = {}
             outputs = np.cumsum([entry.logits for entry in entries]) - 1  # an entry's row among the logits
             drafting = self.following > 0 and any(generation.drafter is not None for generation in generations)
             top = likeliest(logits, self.following) if drafting else None  # every output's, in one call, no copy
-            for generation, tree, base, leaves, borrowed, places in plans:
+            for row, tree, base, leaves, borrowed, places in plans:
+                generation = generations[row]
                 block = [logits[outputs[place]] for place in places]  # by block index
                 accepted, emitted = accept(tree, node_choice(generation, block, generation.tokens))
                 following = top[outputs[places]] if top is not None and generation.drafter is not None else None
-                verdicts.append(Verdict(accepted, emitted, following))
+                verdicts[row] = Verdict(accepted, emitted, following)
+                past = len(generation.tokens) - 1
+                if streams:  # a path laid in place: keep its cells, drop those of the nodes turned down and pads
+                    model.remove_cells(base, past + 1 + len(accepted))
+                    continue
                 in_place = next((i for i, n in enumerate(accepted) if places[n] != places[0] + 1 + i), len(accepted))
                 if in_place:
-                    past = len(generation.tokens) - 1
                     leaf = borrowed[leaves.index(_leaf_under(tree, accepted[in_place - 1]))]
-                    self.model.copy_cells(leaf, base, past + 1, past + 1 + in_place)
+                    model.copy_cells(leaf, base, past + 1, past + 1 + in_place)
                 self._pending[generation] = len(accepted) - in_place
                 self._release(borrowed)
             done = time.perf_counter()
@@ -259,7 +321,7 @@ class LlamaCppVerifier:
             stats = generation.stats
             stats.forward_s += tock - tick
             stats.verify_s += done - tock
-        return verdicts, (tock - tick) * 1000
+        return [verdicts[row] for row in range(len(generations))], (tock - tick) * 1000
 
     def _release(self, borrowed: list[int]) -> None:
         for leaf in reversed(borrowed):

@@ -84,7 +84,7 @@ class TransformersBackend:
     def device(self):
         return self.forward.device
 
-    def enable_batching(self) -> bool:
+    def enable_batching(self, max_batch: int) -> bool:
         """Once: probe whether rows of different lengths verify together exactly, and in which layout."""
         with self._batching_lock:
             if not self._batching_probed:
