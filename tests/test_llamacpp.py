@@ -9,6 +9,7 @@ them, the exactness tests are skipped (the backend warns about that build).
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import sys
 from dataclasses import replace
@@ -127,7 +128,7 @@ def test_batched_rows_joining_leaving_and_cancelled_are_each_the_row_alone(reque
     engine = LookaheadEngine(model, tokenizer, FIXED)
     batch = engine.batch(3)
     verifier = engine.backend.verifier
-    assert verifier.model.streams and verifier.model is model.streamed(3)
+    assert verifier.model.streams and verifier.model.sequences == 3 and not model.streams
     generations = [engine.prepare(ids, n) for ids, n in zip(prompts, lengths, strict=True)]
     for generation in generations:
         batch.add(generation)
@@ -183,6 +184,28 @@ def test_streamed_rows_of_unequal_chains_and_a_prefilling_row_between_them(f32, 
     for generation in generations:
         verifier.leave(generation)
     assert streamed.rows == 0 and all(streamed.last_position(s) == -1 for s in range(streamed.sequences))
+
+
+def test_each_engines_batches_get_streams_of_their_own_freed_with_it(q4_1, prompts):
+    """Two engines batching at once on one model each hold their own streamed context (their rows' ids do not
+    mix), a larger batch moves an engine to a larger one, and a context is freed when its engine goes."""
+    model, tokenizer = q4_1
+    before = len(model._contexts)
+    engines = [LookaheadEngine(model, tokenizer, FIXED) for _ in range(2)]
+    batches = [engine.batch(2) for engine in engines]
+    for batch, engine in zip(batches, engines, strict=True):
+        for ids in prompts[:2]:
+            batch.add(engine.prepare(ids, 4))
+    while any(batches):
+        for batch in batches:
+            if batch:
+                batch.step()
+    assert len(model._contexts) == before + 2
+    engines[0].batch(4)
+    assert engines[0].verifier.model.sequences == 4 and engines[1].verifier.model.sequences == 2
+    del engines, batches, batch, engine
+    gc.collect()
+    assert len(model._contexts) == before
 
 
 def test_a_rows_leaves_share_the_sequence_ids(q4_1):

@@ -120,7 +120,6 @@ class LlamaCppModel:
         """The file's weight types not known to round a multi-token pass as the one-token step (none: all are)."""
         self.streams = False
         """True if each sequence has a KV stream of its own (see `streamed`)."""
-        self._streamed: LlamaCppModel | None = None
         sequences = min(sequences or lib.llama_max_parallel_sequences(), lib.llama_max_parallel_sequences())
         self._contexts: list[Any] = []
         """Every context made on these weights (this one's and its streamed siblings'), freed with them."""
@@ -157,20 +156,18 @@ class LlamaCppModel:
         """The sequence and tokens of the last generation to end, kept for the next prompt's common prefix."""
 
     def streamed(self, rows: int) -> LlamaCppModel:
-        """A context on these weights for batches of up to `rows` rows, each sequence with a KV stream of its own
-        (made once and shared by the engines on this model; remade larger if more rows are asked for). Its cells,
-        as many as this context's but at least STREAM_CELLS a stream, are split evenly among the streams, as
-        llama.cpp's server splits its context among its slots."""
+        """A new context on these weights for batches of up to `rows` rows, each sequence with a KV stream of its
+        own (an engine's batches run on one of their own). Its cells, as many as this context's but at least
+        STREAM_CELLS a stream, are split evenly among the streams, as llama.cpp's server splits its context among
+        its slots. Freed when collected, or with these weights."""
         if self.streams:
             raise ValueError("this context already has a stream per sequence")
-        if self._streamed is None or self._streamed.sequences < rows:
-            sibling = copy.copy(self)
-            sibling.streams = True
-            sibling._parent = self  # the weights and every context are freed with this object (or its `close`)
-            sibling._streamed = None
-            sibling._open(max(self.cells, rows * STREAM_CELLS), rows)
-            self._streamed = sibling
-        return self._streamed
+        sibling = copy.copy(self)
+        sibling.streams = True
+        sibling._weights = self  # the weights stay loaded while a context on them lives
+        sibling._open(max(self.cells, rows * STREAM_CELLS), rows)
+        sibling._finalizer = weakref.finalize(sibling, _free_context, self.lib, sibling.ctx, self._contexts)
+        return sibling
 
     def take_sequence(self, row: bool = False) -> int:
         """A sequence id no one holds, with no cells (the lowest free); `row`: for a generation, not a leaf."""
@@ -252,7 +249,8 @@ class LlamaCppModel:
         return [lib.llama_vocab_get_text(vocab, token).decode("utf-8", "replace") for token in range(self.vocab_size)]
 
     def close(self) -> None:
-        """Free the weights and every context on them now (else when the model is collected)."""
+        """Free the weights and every context on them now (else when the model is collected); on a streamed
+        context, that context only."""
         self._finalizer()
 
 
@@ -306,6 +304,13 @@ def _file_type(lib: Any, model: Any) -> str:
 
 
 def _free(lib: Any, model: Any, contexts: list[Any]) -> None:
-    for ctx in contexts:
-        lib.llama_free(ctx)
+    while contexts:
+        lib.llama_free(contexts.pop())
     lib.llama_model_free(model)
+
+
+def _free_context(lib: Any, ctx: Any, contexts: list[Any]) -> None:
+    """Free a streamed context unless its weights went first (and freed it with them)."""
+    if any(ctx is other for other in contexts):
+        contexts[:] = [other for other in contexts if other is not ctx]
+        lib.llama_free(ctx)
