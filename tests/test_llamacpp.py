@@ -314,6 +314,19 @@ def test_bad_backend_input_is_one_line_before_loading(tmp_path, capsys, monkeypa
     assert "pip install 'lookahead[llama]'" in err and "\n" not in err
 
 
+def test_the_batch_benchmark_runs_client_streams_on_llama_cpp(tmp_path, f32):
+    from lookahead.bench.batchbench import main as batch_main
+
+    model, _ = f32
+    require_exact(model)
+    args = ["--backend", "llama.cpp", "--dtype", "float32", "--prompts", "3", "--prompts-per-stream", "2"]
+    assert batch_main([*args, "--max-new-tokens", "6", "--streams", "2", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "batch.json").read_text())
+    assert {row["method"] for row in result["results"]} == {"lookahead, one at a time", "batched lookahead",
+                                                             "batched plain"}  # fmt: skip
+    assert all(row["exact_match"] == 1.0 for row in result["results"]) and result["hf_continuous_batching"] is None
+
+
 def test_the_llama_cpp_benchmark_runs_every_method_and_checks_every_output(tmp_path):
     from lookahead.bench import llamabench
 

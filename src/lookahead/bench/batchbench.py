@@ -24,7 +24,8 @@ rows nearly alone, while one in lock step ends them together).
 
 `--batched-only` leaves out the one-at-a-time and transformers runs (a per-set comparison of
 the two batched methods, in a quarter of the time); outputs are then checked against batched
-plain decoding's.
+plain decoding's. `--backend llama.cpp` runs the same on a GGUF file through llama.cpp
+(`--dtype float32` its float32 copy), without transformers' static batches.
 """
 
 from __future__ import annotations
@@ -239,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         "--config", action="append", default=[], metavar="NAME:key=value,...",
         help="a lookahead variant, batched beside the default in every run",
     )  # fmt: skip
+    parser.add_argument(
+        "--backend", choices=("transformers", "llama.cpp"), default="transformers",
+        help="the model's runtime (llama.cpp: the GGUF file; transformers' own static batches are left out)",
+    )  # fmt: skip
     parser.add_argument("--out", default="bench-out/batch")
     args = parser.parse_args(argv)
     try:
@@ -254,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     if min(streams) < 1:
         parser.error("--streams: every count must be at least 1")
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, backend=args.backend,
+                                  threads=args.threads)  # fmt: skip
+    with_hf = not args.batched_only and args.backend == "transformers"
 
     def fresh(batching: bool = True, config: LookaheadConfig | None = None) -> LookaheadEngine:
         """An engine with an empty trie: no run drafts from answers an earlier run learned.
@@ -302,14 +309,14 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"streams": count, "method": method, **row,
                          "exact_match": exact([o.token_ids for o in outs], reference)})  # fmt: skip
             print(rows[-1], flush=True)
-        if not args.batched_only:
+        if with_hf:
             outs, row = run_hf_static(model, tokenizer, some, count, args.max_new_tokens)
             rows.append({"streams": count, "method": "transformers generate, static batches", **row,
                          "exact_match": exact(outs, reference)})  # fmt: skip
             print(rows[-1], flush=True)
     result = {
         **run_record("lookahead.bench.batchbench", args, argv),
-        "hf_continuous_batching": None if args.batched_only else hf_continuous_batching_note(model, prompts),
+        "hf_continuous_batching": hf_continuous_batching_note(model, prompts) if with_hf else None,
         "results": rows,
     }
     out = Path(args.out)
@@ -317,7 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     (out / "batch.json").write_text(json.dumps(result, indent=1) + "\n")
     table = markdown_table(rows, COLUMNS)
     (out / "batch.md").write_text(table + "\n")
-    plot(rows, out / "throughput.png", out / "latency.png", f"{result['model']}, {args.dtype}, {args.device}")
+    plot(
+        rows,
+        out / "throughput.png",
+        out / "latency.png",
+        f"{result['model']}, {args.backend}, {args.dtype}, {args.device}",
+    )
     print(table)
     if result["hf_continuous_batching"]:
         print("transformers generate_batch:", result["hf_continuous_batching"])
