@@ -153,6 +153,7 @@ def test_batch_benchmark_on_a_few_prompts(tmp_path):
         (["--streams", "0,2"], "--streams"),
         (["--prompts", "0"], "--prompts"),
         (["--config", "recycled:recycled=-1"], "--config"),
+        (["--dtype", "file"], "--dtype file"),
     ],
 )
 def test_batch_benchmark_refuses_bad_arguments(args, named, capsys):

@@ -128,7 +128,7 @@ def test_batched_rows_joining_leaving_and_cancelled_are_each_the_row_alone(reque
     engine = LookaheadEngine(model, tokenizer, FIXED)
     batch = engine.batch(3)
     verifier = engine.backend.verifier
-    assert verifier.model.streams and verifier.model.sequences == 3 and not model.streams
+    assert verifier.model.streams and verifier.model.sequences >= 3 and not model.streams
     generations = [engine.prepare(ids, n) for ids, n in zip(prompts, lengths, strict=True)]
     for generation in generations:
         batch.add(generation)
@@ -206,6 +206,46 @@ def test_each_engines_batches_get_streams_of_their_own_freed_with_it(q4_1, promp
     del engines, batches, batch, engine
     gc.collect()
     assert len(model._contexts) == before
+
+
+def test_two_rows_leaving_before_a_call_move_two_streams(f32, prompts, references):
+    """Rows at ids 1 and then 0 leave before the next call: the rows at ids 3 and 2 move into their streams, one copy
+    queued after the other, and both go on exactly."""
+    model, tokenizer = f32
+    require_exact(model)
+    want = references(model)
+    engine = LookaheadEngine(model, tokenizer, FIXED)
+    engine.batch(4)
+    verifier = engine.verifier
+    generations = [engine.prepare(ids, TOKENS) for ids in prompts[:4]]
+    for generation in generations:
+        verifier.join(generation)
+    firsts = verifier.prefill(generations, [len(g.prompt) for g in generations])
+    for generation, token in zip(generations, firsts, strict=True):
+        generation.take([token])
+    verifier.leave(generations[1])
+    verifier.leave(generations[0])
+    staying = generations[2:]
+    assert sorted(verifier.sequence(g) for g in staying) == [0, 1]
+    verdicts, _ = verifier.verify(staying, [DraftTree.chain(want[n][1:3]) for n in (2, 3)])
+    assert [verdict.emitted for verdict in verdicts] == [want[2][1:4], want[3][1:4]]
+    for generation in staying:
+        verifier.leave(generation)
+
+
+def test_an_adaptive_batch_of_any_size_prices_and_runs_on_streams(f32, prompts, references):
+    """The cost model measures batched steps of 2 and 4 rows for a batch of 3: the streamed context holds them all.
+    Once an engine batches, its drafts are single paths, and a request it could not hold is refused up front."""
+    model, tokenizer = f32
+    require_exact(model)
+    want = references(model)
+    engine = LookaheadEngine(model, tokenizer)
+    outputs = engine.generate_batch(prompts[:3], TOKENS, max_batch=8, progress=False)
+    assert [out.token_ids for out in outputs] == want[:3]
+    assert engine.verifier.model.sequences == 4 and engine.draft_mode == "chain" and not engine.tree_mode
+    assert engine.max_positions < engine.verifier.model.cells
+    with pytest.raises(ValueError, match=r"exceeds the model's context"):
+        engine.generate_batch([[1] * engine.max_positions], 8, progress=False)
 
 
 def test_a_rows_leaves_share_the_sequence_ids(q4_1):
@@ -314,12 +354,12 @@ def test_bad_backend_input_is_one_line_before_loading(tmp_path, capsys, monkeypa
     assert "pip install 'lookahead[llama]'" in err and "\n" not in err
 
 
-def test_the_batch_benchmark_runs_client_streams_on_llama_cpp(tmp_path, f32):
+def test_the_batch_benchmark_runs_client_streams_on_llama_cpp(tmp_path, q4_1):
     from lookahead.bench.batchbench import main as batch_main
 
-    model, _ = f32
+    model, _ = q4_1
     require_exact(model)
-    args = ["--backend", "llama.cpp", "--dtype", "float32", "--prompts", "3", "--prompts-per-stream", "2"]
+    args = ["--backend", "llama.cpp", "--dtype", "file", "--prompts", "3", "--prompts-per-stream", "2"]
     assert batch_main([*args, "--max-new-tokens", "6", "--streams", "2", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "batch.json").read_text())
     assert {row["method"] for row in result["results"]} == {"lookahead, one at a time", "batched lookahead",

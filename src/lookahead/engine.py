@@ -222,8 +222,8 @@ class LookaheadEngine:
         prompts = list(prompts)
         _check_max_batch(max_batch)
         rows = _per_prompt(len(prompts), {"max_new_tokens": max_new_tokens, **options})
+        batch = self.batch(max(1, min(max_batch, len(prompts))), use_lookahead, closed=True)  # may change the limits
         generations = [self.prepare(prompt, **row) for prompt, row in zip(prompts, rows, strict=True)]
-        batch = self.batch(max(1, min(max_batch, len(prompts))), use_lookahead, closed=True)
         for generation in generations:
             batch.add(generation)
         show = sys.stderr.isatty() if progress is None else progress
@@ -265,7 +265,7 @@ class LookaheadEngine:
         """
         with self._batching_lock:
             self.policy.packed = self.backend.enable_batching(max_batch)
-            self.max_positions = self.backend.max_positions
+            self.max_positions, self.draft_mode = self.backend.max_positions, self.backend.draft_mode
             if self._batching_priced:
                 return
             self._batching_priced = True

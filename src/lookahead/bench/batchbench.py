@@ -24,8 +24,8 @@ rows nearly alone, while one in lock step ends them together).
 
 `--batched-only` leaves out the one-at-a-time and transformers runs (a per-set comparison of
 the two batched methods, in a quarter of the time); outputs are then checked against batched
-plain decoding's. `--backend llama.cpp` runs the same on a GGUF file through llama.cpp
-(`--dtype float32` its float32 copy), without transformers' static batches.
+plain decoding's. `--backend llama.cpp` runs the same through llama.cpp on the GGUF file's
+float32 copy (`--dtype file`: the file as it is), without transformers' static batches.
 """
 
 from __future__ import annotations
@@ -259,7 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     if min(streams) < 1:
         parser.error("--streams: every count must be at least 1")
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, backend=args.backend,
+    if args.dtype == "file" and args.backend != "llama.cpp":
+        parser.error("--dtype file: a GGUF file as it is, on --backend llama.cpp only")
+    dtype = None if args.dtype == "file" else args.dtype
+    model, tokenizer = load_model(args.model, dtype=dtype, device=args.device, backend=args.backend,
                                   threads=args.threads)  # fmt: skip
     with_hf = not args.batched_only and args.backend == "transformers"
 

@@ -37,7 +37,7 @@ class Backend(Protocol):
     def enable_batching(self, max_batch: int) -> bool:
         """Verify the rows of a batch (up to `max_batch` at once) together from now on, where the runtime can; True if
         each row then pays only for its own tokens (packed), False if for the widest row's (padded) or if rows are
-        verified one at a time. May change `max_positions`."""
+        verified one at a time. May change `max_positions` and `draft_mode`."""
         ...
 
     def meter(self, batched: bool = False) -> Meter:

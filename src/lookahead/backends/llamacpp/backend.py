@@ -11,13 +11,14 @@ import numpy as np
 
 from ...config import LookaheadConfig
 from ...decoding.backend import DraftMode
+from ...decoding.costs import measured_rows
 from .model import BATCH_TOKENS, LlamaCppModel
 from .verifier import Entry, LlamaCppDecoder, LlamaCppVerifier
 
 
 class LlamaCppBackend:
-    """Trees verify on every llama.cpp model with a KV cache (recurrent models draft nothing); rows always share a
-    call, each paying only for its own tokens."""
+    """Trees verify on every llama.cpp model with a KV cache (recurrent models draft nothing); once the engine
+    batches, rows share each call on streams of their own, as single paths padded to the widest row."""
 
     name = "llama.cpp"
 
@@ -70,16 +71,18 @@ class LlamaCppBackend:
         )
 
     def enable_batching(self, max_batch: int) -> bool:
-        """Batches run on a context with a KV stream per row (LlamaCppModel.streamed): in the one unified cache every
-        token of a batched call would attend over every row's cells. Rows of a call are padded to the widest."""
+        """Batches run on a context with a KV stream per row (LlamaCppModel.streamed), for every row count the cost
+        model measures up to `max_batch`: in the one unified cache every token of a batched call would attend over
+        every row's cells. There drafts are single paths and a call's rows are padded to the widest, so a request may
+        hold a stream's cells less the widest pass; and requests alone on this engine draft single paths too."""
         if self.model.recurrent:
             return True
-        current = self.verifier.model
-        if current.streams and current.sequences >= max_batch:
-            return False
-        streamed = self.model.streamed(max_batch)
-        self.verifier.use_streams(streamed)
-        self.max_positions = min(self.model.trained_context, streamed.cells)
+        rows = max(max_batch, *measured_rows(max_batch))
+        if not (self.verifier.model.streams and self.verifier.model.sequences >= rows):
+            self.verifier.use_streams(lambda: self.model.streamed(rows))
+        if self.draft_mode == "tree":
+            self.draft_mode = "chain"
+        self.max_positions = min(self.model.trained_context, self.verifier.model.cells - self.max_draft - 1)
         return False
 
     def meter(self, batched: bool = False) -> LlamaCppMeter:
@@ -145,8 +148,9 @@ class LlamaCppMeter:
         decoder = LlamaCppDecoder(model)
         prefix = [(100 + 7 * i) % model.vocab_size for i in range(context)]
         with model.lock:
-            sequences = [model.take_sequence() for _ in range(rows)]
+            sequences: list[int] = []
             try:
+                sequences += [model.take_sequence() for _ in range(rows)]
                 entries = [Entry(token, i, (s,), False) for s in sequences for i, token in enumerate(prefix)]
                 for start in range(0, len(entries), BATCH_TOKENS):
                     decoder(entries[start : start + BATCH_TOKENS])

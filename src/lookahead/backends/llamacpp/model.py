@@ -35,8 +35,8 @@ INSTALL = "pip install 'lookahead[llama]'"
 BATCH_TOKENS = 1024
 """Most tokens one `llama_decode` call takes (a prompt is read in calls of at most this many)."""
 STREAM_CELLS = 2048
-"""Fewest KV cells a row's stream gets in a streamed context (`LlamaCppModel.streamed`): the most tokens a batched
-request may hold unless the model is loaded with a larger `context`."""
+"""Fewest KV cells a row's stream gets in a streamed context (`LlamaCppModel.streamed`), which bounds a batched
+request's tokens unless the model's `context` gives each stream more."""
 EXACT_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})
 """Weight types whose passes of 2-16 tokens give each token the one-token step's logits, bit for bit, on a build
 without llamafile's kernels (measured on all of them; the tests hold Q8_0, Q4_0 and the bundled Q4_1 and F32 files).
@@ -73,7 +73,8 @@ class Vocabulary:
 
 
 class LlamaCppModel:
-    """A GGUF file on llama.cpp with one context: the weights, a unified KV cache, `threads` CPU threads.
+    """A GGUF file on llama.cpp with one context: the weights, a unified KV cache, `threads` CPU threads (and, made
+    by `streamed`, contexts on the same weights with a stream per sequence, one per batching engine).
 
     The context's sequence ids are handed out here, so every engine on this model shares them
     without overlap.
@@ -162,6 +163,8 @@ class LlamaCppModel:
         its slots. Freed when collected, or with these weights."""
         if self.streams:
             raise ValueError("this context already has a stream per sequence")
+        if rows > (most := self.lib.llama_max_parallel_sequences()):
+            raise ValueError(f"llama.cpp allows at most {most} sequences, so batches of at most {most} rows")
         sibling = copy.copy(self)
         sibling.streams = True
         sibling._weights = self  # the weights stay loaded while a context on them lives
@@ -207,11 +210,7 @@ class LlamaCppModel:
 
     def keep_prefix(self, sequence: int, tokens: list[int]) -> None:
         """Keep a finished generation's sequence (a row's id, held) and its `tokens` for the next prompt's prefix,
-        as llama.cpp's own loop keeps its last prompt; the one kept before is freed. With a stream per sequence
-        nothing is kept (its cells could only be shared by copying the whole stream): the id is freed."""
-        if self.streams:
-            self.give_back(sequence, row=True)
-            return
+        as llama.cpp's own loop keeps its last prompt; the one kept before is freed."""
         if self._kept is not None:
             self.give_back(self._kept[0], row=True)
         self._kept = (sequence, tokens)

@@ -34,7 +34,7 @@ tokens with cells dropped after the pass.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -158,7 +158,8 @@ class LlamaCppVerifier:
             self._sequence[generation] = self.model.take_sequence(row=True)
 
     def leave(self, generation: Generation) -> None:
-        """The generation's sequence is kept by the model for its prefix (see LlamaCppModel.keep_prefix)."""
+        """The generation's sequence is kept by the model for its prefix (see LlamaCppModel.keep_prefix); on streams
+        it is freed, and the row of the highest id moves into it."""
         pending = self._pending.pop(generation, 0)
         sequence = self._sequence.pop(generation, None)
         if sequence is not None and self.model.streams:
@@ -169,26 +170,26 @@ class LlamaCppVerifier:
                 cached = self.model.last_position(sequence) + 1
                 self.model.keep_prefix(sequence, generation.tokens[: min(cached, len(generation.tokens) - 1 - pending)])
 
-    def use_streams(self, model: LlamaCppModel) -> None:
-        """Verify on `model`, a context with a stream per sequence (LlamaCppModel.streamed), from now on."""
+    def use_streams(self, make: Callable[[], LlamaCppModel]) -> None:
+        """Verify from now on on the context `make` returns, one with a stream per sequence (LlamaCppModel.streamed);
+        RuntimeError while rows run on this one."""
         if self._sequence:
             raise RuntimeError(
-                f"a batch of {model.sequences} rows cannot start while {len(self._sequence)} rows run on this engine's "
-                f"llama.cpp context (of {self.model.sequences} sequences): start the larger batch first"
+                f"a larger batch cannot start while {len(self._sequence)} rows run on this engine's llama.cpp context "
+                f"(of {self.model.sequences} sequences): start the larger batch first"
             )
-        self.model = model
-        self.decoder = LlamaCppDecoder(model)
+        self.model = make()
+        self.decoder = LlamaCppDecoder(self.model)
 
     def _close_gap(self, sequence: int) -> None:
         """Free a leaving row's stream; the row of the highest id, if above it, moves in (its stream copied)."""
         model = self.model
-        model.remove_cells(sequence)
         last = max(self._sequence, key=self._sequence.__getitem__, default=None)
         if last is None or self._sequence[last] < sequence:
             model.give_back(sequence, row=True)
             return
         highest = self._sequence[last]
-        model.copy_cells(highest, sequence)
+        model.copy_cells(highest, sequence)  # the whole stream, over the leaving row's cells
         self._sequence[last] = sequence
         model.give_back(highest, row=True)
 
