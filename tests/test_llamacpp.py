@@ -153,20 +153,25 @@ def test_batched_rows_joining_leaving_and_cancelled_are_each_the_row_alone(reque
     assert alone.tree_mode and alone.backend.verifier.max_leaves(generations[0]) > 1, "one stream keeps its trees"
 
 
+def _joined_on_streams(weights, prompts: list[list[int]]):
+    """A batching engine's verifier (on its streamed context) and a generation of each prompt joined to it."""
+    model, tokenizer = weights
+    require_exact(model)
+    engine = LookaheadEngine(model, tokenizer, FIXED)
+    engine.batch(len(prompts))
+    generations = [engine.prepare(ids, TOKENS) for ids in prompts]
+    for generation in generations:
+        engine.verifier.join(generation)
+    return engine.verifier, generations
+
+
 def test_streamed_rows_of_unequal_chains_and_a_prefilling_row_between_them(f32, prompts, references):
     """Rows of a call on streams are padded to the widest (and an id between them whose row is still reading its
     prompt is padded too): each row's verdict takes the true tokens its chain holds, and every sequence holds after
     the call what it held before, plus its accepted tokens."""
-    model, tokenizer = f32
-    require_exact(model)
-    want = references(model)
-    engine = LookaheadEngine(model, tokenizer, FIXED)
-    engine.batch(3)
-    verifier = engine.verifier
+    want = references(f32[0])
+    verifier, generations = _joined_on_streams(f32, prompts[:3])
     streamed = verifier.model
-    generations = [engine.prepare(ids, TOKENS) for ids in prompts[:3]]
-    for generation in generations:
-        verifier.join(generation)
     first, reading, last = generations
     firsts = verifier.prefill([first, reading, last], [len(first.prompt), 5, len(last.prompt)])
     assert firsts[1] is None and [firsts[0], firsts[2]] == [want[0][0], want[2][0]]
@@ -211,15 +216,8 @@ def test_each_engines_batches_get_streams_of_their_own_freed_with_it(q4_1, promp
 def test_two_rows_leaving_before_a_call_move_two_streams(f32, prompts, references):
     """Rows at ids 1 and then 0 leave before the next call: the rows at ids 3 and 2 move into their streams, one copy
     queued after the other, and both go on exactly."""
-    model, tokenizer = f32
-    require_exact(model)
-    want = references(model)
-    engine = LookaheadEngine(model, tokenizer, FIXED)
-    engine.batch(4)
-    verifier = engine.verifier
-    generations = [engine.prepare(ids, TOKENS) for ids in prompts[:4]]
-    for generation in generations:
-        verifier.join(generation)
+    want = references(f32[0])
+    verifier, generations = _joined_on_streams(f32, prompts[:4])
     firsts = verifier.prefill(generations, [len(g.prompt) for g in generations])
     for generation, token in zip(generations, firsts, strict=True):
         generation.take([token])
