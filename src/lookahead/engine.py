@@ -120,7 +120,6 @@ class LookaheadEngine:
         if tokenizer is not None:
             trie.bind_tokenizer(tokenizer)  # a trie saved with another tokenizer is refused here
         trie.check_vocabulary(backend.vocab_size)  # and one with ids the model has no embedding for
-        self.draft_mode: DraftMode = backend.draft_mode
         adaptive = config.policy == "adaptive" and self.draft_mode != "off"
         cost = cost_model(backend.meter()) if adaptive else None
         self.drafting = TrieDrafting.from_config(config, self.eos_ids, cost, trie)
@@ -128,7 +127,6 @@ class LookaheadEngine:
         self._batching_priced = False
         self.verifier: Verifier = backend.verifier
         """What the step verifies drafts with: the backend's (replaceable, e.g. to price steps by a cost model)."""
-        self.max_positions: int | None = backend.max_positions
 
     @property
     def trie(self) -> TokenTrie:
@@ -139,6 +137,16 @@ class LookaheadEngine:
     def policy(self) -> DraftPolicy:
         """The engine-wide cost model and acceptance rates."""
         return self.drafting.policy
+
+    @property
+    def draft_mode(self) -> DraftMode:
+        """What the backend verifies exactly now: trees, single paths (a batching llama.cpp engine's) or nothing."""
+        return self.backend.draft_mode
+
+    @property
+    def max_positions(self) -> int | None:
+        """Most tokens a request may hold on the backend as it runs now (a batching engine's may be fewer)."""
+        return self.backend.max_positions
 
     @property
     def tree_mode(self) -> bool:
@@ -265,7 +273,6 @@ class LookaheadEngine:
         """
         with self._batching_lock:
             self.policy.packed = self.backend.enable_batching(max_batch)
-            self.max_positions, self.draft_mode = self.backend.max_positions, self.backend.draft_mode
             if self._batching_priced:
                 return
             self._batching_priced = True

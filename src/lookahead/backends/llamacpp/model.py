@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import heapq
 import logging
 import os
 import threading
@@ -151,6 +152,7 @@ class LlamaCppModel:
         self.lock = threading.Lock()
         """Held by whoever is using the context (one decode at a time)."""
         self._free = list(range(sequences))
+        """Sequence ids no one holds, a heap: the lowest is handed out first (rows on streams stay consecutive)."""
         self.rows = 0
         """Sequence ids held between steps: running generations' and the kept prefix's, not a step's leaves."""
         self._kept: tuple[int, list[int]] | None = None
@@ -177,15 +179,13 @@ class LlamaCppModel:
         if not self._free:
             raise RuntimeError(f"llama.cpp allows {self.sequences} sequences: all are in use")
         self.rows += row
-        lowest = min(self._free)
-        self._free.remove(lowest)
-        return lowest
+        return heapq.heappop(self._free)
 
     def give_back(self, sequence: int, row: bool = False) -> None:
         """Drop `sequence`'s cells and make it free again."""
         self.remove_cells(sequence)
         self.rows -= row
-        self._free.append(sequence)
+        heapq.heappush(self._free, sequence)
 
     # ---- the memory: sequences of cells (call with the lock held) --------------------------------
 
