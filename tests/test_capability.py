@@ -113,6 +113,26 @@ def test_a_model_that_misreads_the_tree_mask_falls_back_with_the_reason():
         assert probe_draft_mode(ModelForward(model)) == "chain"
 
 
+def test_drafts_are_checked_against_plain_decodings_steps_not_one_fresh_pass_over_the_path():
+    """In bfloat16 on a CPU without bfloat16 instructions, reading a whole path in one fresh pass rounds otherwise
+    than plain decoding's prompt pass and one-token steps (by 4.6 logits on SmolLM2); the probe must hold drafts to
+    the steps, or it turns drafting off where drafts verify as plain decoding does."""
+
+    def fresh_passes_round_otherwise(forward):
+        def run(*args, input_ids=None, position_ids=None, **kwargs):
+            out = forward(*args, input_ids=input_ids, position_ids=position_ids, **kwargs)
+            fresh = position_ids is None or int(position_ids[0, 0]) == 0
+            if fresh and input_ids.shape[1] > len(capability._PREFIX):
+                out.logits[:, -1] += 1.0
+            return out
+
+        return run
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert probe_draft_mode(ModelForward(_patched(fresh_passes_round_otherwise))) == "tree"
+
+
 def test_a_model_is_probed_once_and_every_engine_on_it_warns():
     calls: list[int] = []
     model = _patched(functools.partial(_causal_only, calls=calls))

@@ -2,7 +2,9 @@
 
 Some architectures derive positions or biases from a 2-D padding mask (OPT, ALiBi models)
 and silently misread a 4-D one. Rather than keep a list of names, we run a tiny tree through
-the model and compare every node's logits with the plain causal computation of its path.
+the model and compare every node's logits with plain decoding of its path: the prefix read in
+one pass, then a token a step (in bfloat16 a single fresh pass over the whole path rounds
+otherwise than those steps, on a CPU without bfloat16 instructions by several logits).
 A model that fails gets single-path drafts (or none), with a warning that says why.
 
 Within float tolerance is not enough in bfloat16 or float16: a wider pass rounds otherwise than
@@ -71,6 +73,14 @@ def _plain_logits(forward: ModelForward, tokens: list[int]) -> torch.Tensor:
     return forward(forward.new_cache(), tokens, 0)
 
 
+def _stepped_logits(forward: ModelForward, prefix: list[int], path: list[int]) -> torch.Tensor:
+    """Plain decoding's logits after the last token of `path`: `prefix` read in one pass, then a token a step."""
+    cache = _prefilled(forward, prefix)
+    for offset, token in enumerate(path):
+        logits = forward(cache, [token], len(prefix) + offset)[-1]
+    return logits
+
+
 def _mismatch(forward: ModelForward, tree: DraftTree) -> str | None:
     """Why the tree's logits (or the compacted cache) differ from plain decoding; None if they do not."""
     vocab = forward.vocab_size
@@ -86,13 +96,13 @@ def _mismatch(forward: ModelForward, tree: DraftTree) -> str | None:
         for token, parent in zip(tokens, tree.parents, strict=True):
             block_paths.append([*block_paths[parent], token])
         for index, path in enumerate(block_paths):
-            if (gap := _gap(got[index], _plain_logits(forward, prefix + path)[-1])) is not None:
+            if (gap := _gap(got[index], _stepped_logits(forward, prefix, path))) is not None:
                 return f"logits at draft node {index} differ from sequential decoding by {gap:.3g}"
         kept = max(range(len(block_paths)), key=lambda i: len(block_paths[i]))
         accepted = _ancestors(tree, kept)
         BatchCache(cache, [len(prefix)], [None]).keep([[0, *accepted]], len(tokens) + 1)
         got_next = forward(cache, [nxt], len(prefix) + len(accepted) + 1)[-1]
-        want_next = _plain_logits(forward, prefix + block_paths[kept] + [nxt])[-1]
+        want_next = _stepped_logits(forward, prefix, [*block_paths[kept], nxt])
         if (gap := _gap(got_next, want_next)) is not None:
             return f"the step after compacting the cache differs from sequential decoding by {gap:.3g}"
     return None
