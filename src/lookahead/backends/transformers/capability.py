@@ -73,12 +73,10 @@ def _plain_logits(forward: ModelForward, tokens: list[int]) -> torch.Tensor:
     return forward(forward.new_cache(), tokens, 0)
 
 
-def _stepped_logits(forward: ModelForward, prefix: list[int], path: list[int]) -> torch.Tensor:
-    """Plain decoding's logits after the last token of `path`: `prefix` read in one pass, then a token a step."""
+def _stepped_logits(forward: ModelForward, prefix: list[int], path: list[int]) -> list[torch.Tensor]:
+    """Plain decoding's logits after each token of `path`: `prefix` read in one pass, then a token a step."""
     cache = _prefilled(forward, prefix)
-    for offset, token in enumerate(path):
-        logits = forward(cache, [token], len(prefix) + offset)[-1]
-    return logits
+    return [forward(cache, [token], len(prefix) + offset)[-1] for offset, token in enumerate(path)]
 
 
 def _mismatch(forward: ModelForward, tree: DraftTree) -> str | None:
@@ -95,14 +93,19 @@ def _mismatch(forward: ModelForward, tree: DraftTree) -> str | None:
         block_paths: list[list[int]] = [[root]]
         for token, parent in zip(tokens, tree.parents, strict=True):
             block_paths.append([*block_paths[parent], token])
-        for index, path in enumerate(block_paths):
-            if (gap := _gap(got[index], _stepped_logits(forward, prefix, path))) is not None:
+        kept = max(range(len(block_paths)), key=lambda i: len(block_paths[i]))  # the deepest leaf
+        want: dict[int, torch.Tensor] = {}
+        for leaf in sorted(set(range(len(block_paths))) - set(tree.parents)):  # each path stepped once, to a leaf
+            stepped = _stepped_logits(forward, prefix, [*block_paths[leaf], *([nxt] if leaf == kept else [])])
+            want.update(zip([0, *_ancestors(tree, leaf)], stepped, strict=False))  # the kept leaf steps once more
+            if leaf == kept:
+                want_next = stepped[-1]
+        for index in range(len(block_paths)):
+            if (gap := _gap(got[index], want[index])) is not None:
                 return f"logits at draft node {index} differ from sequential decoding by {gap:.3g}"
-        kept = max(range(len(block_paths)), key=lambda i: len(block_paths[i]))
         accepted = _ancestors(tree, kept)
         BatchCache(cache, [len(prefix)], [None]).keep([[0, *accepted]], len(tokens) + 1)
         got_next = forward(cache, [nxt], len(prefix) + len(accepted) + 1)[-1]
-        want_next = _stepped_logits(forward, prefix, [*block_paths[kept], nxt])
         if (gap := _gap(got_next, want_next)) is not None:
             return f"the step after compacting the cache differs from sequential decoding by {gap:.3g}"
     return None
