@@ -1,6 +1,7 @@
 """Cost curves: measured on the model, cached on disk under a key of what changes them, batches up to their size;
 trusted only when measured on a quiet machine, and doubted when real steps run well under their price."""
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -33,6 +34,35 @@ def test_passes_default_to_repeats(monkeypatch):
     assert costs.measuring_passes() == costs.REPEATS
     monkeypatch.setenv(costs.PASSES_VARIABLE, " 2 ")
     assert costs.measuring_passes() == 2
+
+
+class SleepingMeter:
+    """Passes that take `milliseconds(width)`, and the widths run."""
+
+    key = batch_key = ""
+    max_positions = None
+
+    def __init__(self, milliseconds) -> None:
+        self.milliseconds = milliseconds
+        self.ran: list[int] = []
+
+    @contextlib.contextmanager
+    def passes(self, rows, context):
+        def run(width):
+            self.ran.append(width)
+            time.sleep(self.milliseconds(width) / 1000)
+
+        yield run
+
+
+def test_a_curve_ends_at_the_first_width_as_dear_as_its_tokens_in_one_token_passes():
+    linear = SleepingMeter(lambda width: 2.0 * width)
+    curve = costs.measure_cost(linear, repeats=2)
+    assert 2 in curve and max(curve) in (8, 12, 16), curve  # 8x one token, give or take sleep()'s own overhead
+    assert set(linear.ran) == set(curve) and 64 not in linear.ran, "a width past the end was run"
+    assert costs.CostModel(curve).predict(64) > 0.9 * 2.0 * 64, "wider passes priced by carrying the last segment on"
+    flat = SleepingMeter(lambda width: 2.0 + 0.05 * width)
+    assert list(costs.measure_cost(flat, repeats=2)) == list(costs.COST_WIDTHS)
 
 
 class Quiet:

@@ -55,6 +55,11 @@ CHECK_EVIDENCE = 8.0
 """Steps of one size (faded) a check needs before it doubts the curves."""
 OVERPRICED = 0.75
 """Steps running under this share of their measured price, on a quiet machine, show curves measured under load."""
+WIDE_ENOUGH = 8.0
+"""A curve ends at the first width whose pass costs this many one-token passes: wider ones are priced by carrying its
+last segment on (the pass is then compute-bound, so near-linear), as no draft but a long sure copy would pay there.
+Where a dtype has no fast kernels on the CPU (bfloat16 without bfloat16 instructions) the widest passes made a start
+take minutes."""
 
 
 class Meter(Protocol):
@@ -103,15 +108,19 @@ def measure_cost(
     and ran at 2.1x. The fastest pass, not the median: other tenants only ever slow a pass
     (with 20-40 % of the CPU stolen, medians of five put 4 rows of 4 above 4 rows of 16),
     and what the machine's load adds to every step is learned online from plain steps
-    (CostModel.scale).
+    (CostModel.scale). Widths past the first that costs WIDE_ENOUGH one-token passes are
+    left out (`widths` ascending, from 1).
     """
     times: dict[int, list[float]] = {width: [] for width in widths}
     with meter.passes(rows, context) as run:
         for _ in range(repeats):
-            for width in widths:
+            for width in list(times):
                 clock = time.perf_counter()
                 run(width)
                 times[width].append((time.perf_counter() - clock) * 1000)
+                if 1 in times and width > 1 and min(times[width]) >= WIDE_ENOUGH * min(times[1]):
+                    times = {narrower: spent for narrower, spent in times.items() if narrower <= width}
+                    break
     return {width: round(min(spent), 3) for width, spent in times.items()}
 
 
