@@ -137,5 +137,8 @@ def test_bfloat16_lookahead_equals_its_own_plain_decoding_on_real_prompts(greedy
         rows = engine.generate_batch(prompts[::2], 48, max_batch=4, use_lookahead=use_lookahead)
         assert [row.token_ids for row in rows] == greedy, use_lookahead
     narrow = LookaheadEngine(engine.model, engine.tokenizer, LookaheadConfig(decoding_length=16))
-    assert narrow.backend.forward.most_rows <= 17  # a batch's products no wider than the chains checked
+    if narrow.backend.forward.linears is not None:
+        assert narrow.backend.forward.most_rows <= 17  # a batch's products no wider than the chains checked
+    else:  # oneDNN computes no bfloat16 on this CPU: the model's own layers, whose products cannot be split
+        assert narrow.backend.forward.most_rows is None and engine.backend.verifier.layout is None  # rows one at a time
     assert [row.token_ids for row in narrow.generate_batch(prompts[::2], 48, max_batch=4)] == greedy

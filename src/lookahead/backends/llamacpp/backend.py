@@ -101,8 +101,10 @@ _widest: weakref.WeakKeyDictionary[LlamaCppModel, dict[int, int]] = weakref.Weak
 
 def widest_exact_pass(model: LlamaCppModel, widest: int) -> int:
     """The most tokens (up to `widest`) a pass may carry with every token getting the logits of its one-token step,
-    bit for bit, on this model's kernels: found by passes of 2, 3, ... tokens against one-token steps after
-    PROBE_CONTEXT cached tokens (1: no wider pass is exact, or the context has no room to tell)."""
+    bit for bit, on this model's kernels: found by reading `widest` tokens after PROBE_CONTEXT cached ones in passes
+    of 2, 3, ... tokens against one-token steps (1: no wider pass is exact, or the context has no room to tell).
+    Every pass counts, not only the first: on one CPU a K-quant file's first pass kept the step's bits at widths
+    whose later passes did not (benchmarks/NOTES.md)."""
     widest = min(widest, model.cells - PROBE_CONTEXT)
     if widest < 2:
         return 1
@@ -121,11 +123,13 @@ def _measure_widest(model: LlamaCppModel, widest: int) -> int:
             decoder([Entry(token, i, (sequence,), False) for i, token in enumerate(tokens[:PROBE_CONTEXT])])
             steps = np.stack([decoder([Entry(tokens[i], i, (sequence,), True)])[0].copy()
                               for i in range(PROBE_CONTEXT, PROBE_CONTEXT + widest)])  # fmt: skip
-            for width in range(2, widest + 1):
+            for width in range(2, widest + 1):  # every token read in passes of `width`, as a run of chains would be
                 model.remove_cells(sequence, PROBE_CONTEXT)
-                block = [Entry(tokens[i], i, (sequence,), True) for i in range(PROBE_CONTEXT, PROBE_CONTEXT + width)]
-                if not np.array_equal(decoder(block), steps[:width]):
-                    return width - 1
+                for start in range(PROBE_CONTEXT, PROBE_CONTEXT + widest, width):
+                    end = min(start + width, PROBE_CONTEXT + widest)
+                    block = [Entry(tokens[i], i, (sequence,), True) for i in range(start, end)]
+                    if not np.array_equal(decoder(block), steps[start - PROBE_CONTEXT : end - PROBE_CONTEXT]):
+                        return width - 1
             return widest
         finally:
             model.give_back(sequence)
