@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import hashlib
 import json
+import os
 import sys
 from dataclasses import replace
 from importlib import metadata
@@ -394,19 +396,30 @@ def test_the_llama_cpp_benchmark_refuses_options_it_cannot_run():
 
 
 @pytest.fixture(scope="module")
-def quantized(f32, tmp_path_factory):
-    """The bundled model's float32 file quantized by llama.cpp's own quantizer to a file type (e.g. 'Q8_0')."""
-    folder, made = tmp_path_factory.mktemp("quantized"), {}
+def quantized(f32):
+    """The bundled model's float32 file quantized by llama.cpp's own quantizer to a file type (e.g. 'Q8_0').
+
+    Kept in the cache beside the float32 file, named by the quantizer's version and the source's identity, so that
+    later runs reuse the file and with it the cost curves and tokenizer cached for its path (a fresh path each run
+    would measure them again and leave them behind)."""
+    source = f32[0].path
+    stat = source.stat()
+    identity = hashlib.sha256(f"{source}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    folder = source.parent.parent / f"quantized-llama-cpp-{metadata.version('llama-cpp-python')}-{identity}"
 
     def of(kind: str):
-        if kind not in made:
+        target = folder / f"{kind}.gguf"
+        if not target.is_file():
+            folder.mkdir(parents=True, exist_ok=True)
             params = llama_cpp.llama_model_quantize_default_params()
             params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}")
             params.nthread = 2
-            made[kind] = folder / f"{kind}.gguf"
-            source, target = str(f32[0].path).encode(), str(made[kind]).encode()
-            assert llama_cpp.llama_model_quantize(source, target, ctypes.byref(params)) == 0
-        return made[kind]
+            scratch = folder / f".{kind}-{os.getpid()}.gguf"
+            assert (
+                llama_cpp.llama_model_quantize(str(source).encode(), str(scratch).encode(), ctypes.byref(params)) == 0
+            )
+            os.replace(scratch, target)  # whole or not at all: an interrupted run leaves no half file under the name
+        return target
 
     return of
 
@@ -441,6 +454,16 @@ def test_exact_weight_types_verify_as_the_one_token_step_and_k_quants_do_not(f32
     loaded, _ = load_model(str(quantized("Q6_K")), backend="llama.cpp", threads=2)
     assert "Q6_K" in loaded.inexact_types and f32[0].inexact_types == ()
     loaded.close()
+
+
+def test_weight_types_are_read_from_the_header_as_the_gguf_package_reads_them(quantized, tmp_path):
+    import gguf
+
+    path = quantized("Q4_K_M")
+    assert llamacpp_model.weight_types(llama_cpp, path) == {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert {"Q4_K", "Q6_K"} <= llamacpp_model.weight_types(llama_cpp, path)
+    (tmp_path / "not.gguf").write_bytes(b"GGUF" + bytes(60))
+    assert llamacpp_model.weight_types(llama_cpp, tmp_path / "not.gguf") == {"unknown"}
 
 
 def test_k_quant_weights_draft_chains_no_wider_than_their_kernels_keep_exact(f32, quantized, prompts):

@@ -118,7 +118,7 @@ class LlamaCppModel:
         self.file_type = _file_type(lib, model)
         self.exact = b"LLAMAFILE = 1" not in lib.llama_print_system_info()
         """True if multi-token passes sum as the one-token step does (a build without llamafile's kernels)."""
-        self.inexact_types = tuple(sorted(weight_types(self.path) - EXACT_TYPES))
+        self.inexact_types = tuple(sorted(weight_types(lib, self.path) - EXACT_TYPES))
         """The file's weight types not known to round a multi-token pass as the one-token step (none: all are)."""
         self.streams = False
         """True if each sequence has a KV stream of its own (see `streamed`)."""
@@ -268,15 +268,37 @@ def convert(source: Path, target: Path, dtype: str) -> None:
         raise ValueError(f"{source}: llama.cpp could not convert this GGUF file to {dtype}")
 
 
-def weight_types(path: Path) -> set[str]:
-    """The GGML types of a GGUF file's tensors (read from its header); {'unknown'} where this `gguf` package cannot
-    read them (a type newer than it), so that the backend measures the file's passes instead of trusting them."""
-    import gguf
+class _GgufParams(ctypes.Structure):
+    """ggml's `gguf_init_params`: read the header only (no tensor data), into no ggml context."""
 
-    try:
-        return {tensor.tensor_type.name for tensor in gguf.GGUFReader(path).tensors}
-    except (ValueError, KeyError):
+    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
+
+
+def weight_types(lib: Any, path: Path) -> set[str]:
+    """The GGML types of a GGUF file's tensors (e.g. 'Q4_K', 'F32'), read from its header by ggml's own GGUF reader
+    (the `gguf` package's reader parses the whole vocabulary in Python first: seconds a load); {'unknown'} if it
+    cannot read them, so that the backend measures the file's passes instead of trusting them."""
+    ggml = lib.llama_cpp._lib  # the gguf_* functions llama.cpp loads files with; llama-cpp-python binds none of them
+    ggml.gguf_init_from_file.argtypes, ggml.gguf_init_from_file.restype = (
+        [ctypes.c_char_p, _GgufParams],
+        ctypes.c_void_p,
+    )
+    ggml.gguf_get_n_tensors.argtypes, ggml.gguf_get_n_tensors.restype = [ctypes.c_void_p], ctypes.c_int64
+    ggml.gguf_get_tensor_type.argtypes, ggml.gguf_get_tensor_type.restype = (
+        [ctypes.c_void_p, ctypes.c_int64],
+        ctypes.c_int,
+    )
+    ggml.ggml_type_name.argtypes, ggml.ggml_type_name.restype = [ctypes.c_int], ctypes.c_char_p
+    ggml.gguf_free.argtypes, ggml.gguf_free.restype = [ctypes.c_void_p], None
+    header = ggml.gguf_init_from_file(str(path).encode(), _GgufParams(True, None))
+    if not header:
         return {"unknown"}
+    try:
+        tensors = range(ggml.gguf_get_n_tensors(header))
+        names = [ggml.ggml_type_name(ggml.gguf_get_tensor_type(header, tensor)) for tensor in tensors]
+    finally:
+        ggml.gguf_free(header)
+    return {name.decode().upper() if name else "unknown" for name in names}
 
 
 def check_vocabulary(texts: list[str], tokenizer: Any, name: str) -> None:
