@@ -10,6 +10,7 @@ from lookahead.drafting.policy import (
     Calibration,
     CostModel,
     DraftPolicy,
+    Level,
     best_sizes,
     best_width,
     floor_factors,
@@ -459,3 +460,26 @@ def test_a_cost_models_measurement_forgets_what_it_learned():
             fresh.predict_widths(widths, rows, context)
         )
     assert cost.predict(1) > fresh.predict(1), "the model itself learned"
+
+
+def test_a_level_measured_against_rates_it_does_not_scale_settles_at_their_error():
+    level = Level(neutral=20.0)
+    for _ in range(3000):
+        level.record(accepted=0.4, expected=0.8, fade=0.998)  # rates that say 0.8 where 0.4 is accepted
+    assert level.value == pytest.approx(0.5, abs=0.03), "at their error, but for the neutral evidence"
+
+
+def test_what_every_request_fails_lowers_a_fresh_requests_chances_and_what_they_copy_raises_them():
+    policy = DraftPolicy(CPU_LIKE)
+    cell = Calibration.cells(PROMPT_CHAIN)[0]
+    fresh = policy.rates(policy.request_rates())[cell]
+    assert policy.level.value == 1.0
+    for _ in range(40):
+        policy.learn(PROMPT_CHAIN, [], policy.request_rates())  # each a request of its own, first node failing
+    assert policy.level.value < 0.9, "the cell's own rate fell as it failed, and it was sent above that"
+    engine = policy.calibration.rates(PRIOR)[cell]
+    assert policy.rates(policy.request_rates())[cell] == pytest.approx(engine * policy.level.value)
+    assert engine * policy.level.value < engine < fresh
+    for _ in range(200):
+        policy.learn(PROMPT_CHAIN, [1, 2, 3], policy.request_rates())  # the traffic changed: every node holds
+    assert policy.level.value > 1.0 and policy.rates(policy.request_rates())[cell] > 0.9

@@ -11,7 +11,8 @@ predicted millisecond, which may be no draft at all.
   prediction.
 - Acceptance: per node, the chance it is accepted once its parent is, learned online from
   verification by where the node's n-gram was seen and the trie's count ratio (Calibration),
-  engine-wide and per request; a node's chance is the product along its path.
+  engine-wide and per request, with one level over all requests that keeps the rates at what is
+  accepted; a node's chance is the product along its path.
 
 The engine and the offline replay both draft through the same trie drafter (drafter.py) and
 the same step, so a replay predicts the real run exactly.
@@ -388,6 +389,28 @@ class Calibration:
 TRIE_PRIOR = Calibration.trie_prior()
 
 
+class Level:
+    """Draft nodes accepted over the nodes some rates expected, both fading: the factor those rates were off by.
+
+    Scaling the rates by it brings them to what is accepted. With `neutral` nodes of even
+    evidence it starts at 1.
+    """
+
+    def __init__(self, neutral: float) -> None:
+        self.neutral = neutral
+        self.accepted = 0.0
+        self.expected = 0.0
+
+    @property
+    def value(self) -> float:
+        return (self.accepted + self.neutral) / (self.expected + self.neutral)
+
+    def record(self, accepted: float, expected: float, fade: float) -> None:
+        """Earlier evidence fades by `fade`, then this is added."""
+        self.accepted = self.accepted * fade + accepted
+        self.expected = self.expected * fade + expected
+
+
 class RequestRates:
     """One request's own acceptance rates: per cell, and one level for all its cells that reacts in a few steps.
 
@@ -404,12 +427,11 @@ class RequestRates:
 
     def __init__(self) -> None:
         self.calibration = Calibration(REQUEST_PRIOR_WEIGHT)
-        self.accepted = 0.0
-        self.expected = 0.0
+        self._level = Level(LEVEL_WEIGHT)
 
     @property
     def level(self) -> float:
-        return (self.accepted + LEVEL_WEIGHT) / (self.expected + LEVEL_WEIGHT)
+        return self._level.value
 
     def rates(self, engine: np.ndarray) -> np.ndarray:
         return self.calibration.rates(np.minimum(engine * self.level, MOST_LIKELY))
@@ -417,13 +439,11 @@ class RequestRates:
     def record(self, cells: np.ndarray, outcomes: np.ndarray, expected: np.ndarray) -> None:
         """Outcomes of a step's tried nodes, and the chance each was given when it was sent."""
         self.calibration.record(cells, outcomes)
-        self.accepted = self.accepted * LEVEL_FADE + float(outcomes.sum())
-        self.expected = self.expected * LEVEL_FADE + float(expected.sum())
+        self._level.record(float(outcomes.sum()), float(expected.sum()), LEVEL_FADE)
 
     def fade(self) -> None:
         """A step that sent nothing: the level's evidence fades, as it does every step."""
-        self.accepted *= LEVEL_FADE
-        self.expected *= LEVEL_FADE
+        self._level.record(0.0, 0.0, LEVEL_FADE)
 
 
 LEVEL_WEIGHT = 3.0
@@ -432,6 +452,10 @@ LEVEL_FADE = 0.9
 """A request's level forgets a step's evidence at this rate: it follows the last ten or so steps."""
 MOST_LIKELY = 0.98
 """No edge is ever certain: a raised level must not make a long draft look free of risk."""
+ENGINE_LEVEL_WEIGHT = 20.0
+"""Tried nodes of neutral evidence in the engine's level."""
+ENGINE_LEVEL_FADE = 0.998
+"""The engine's level forgets a tried node's evidence at this rate: it follows the last thousand or so nodes."""
 
 
 def best_width(
@@ -591,6 +615,9 @@ class DraftPolicy:
     def __init__(self, cost: StepCost | None = None) -> None:
         self.cost = cost
         self.calibration = Calibration(ENGINE_PRIOR_WEIGHT)
+        self.level = Level(ENGINE_LEVEL_WEIGHT)
+        """What the engine's own rates are off by, over every request's tried nodes (see `learn`)."""
+        self._level_lock = threading.Lock()
         self.packed = False
         """True when batched rows are packed (each pays for its own nodes), not padded to the widest."""
 
@@ -604,8 +631,9 @@ class DraftPolicy:
         return RequestRates()
 
     def rates(self, request: RequestRates) -> np.ndarray:
-        """Per cell, the chance a node is accepted once its parent is, as `request` should expect it."""
-        return request.rates(self.calibration.rates(TRIE_PRIOR))
+        """Per cell, the chance a node is accepted once its parent is, as `request` should expect it: the engine's
+        rates times its level, as the request's own evidence corrects them."""
+        return request.rates(np.minimum(self.calibration.rates(TRIE_PRIOR) * self.level.value, MOST_LIKELY))
 
     def fit(
         self, trees: Sequence[DraftTree], context: int = BASE_CONTEXT, last: Sequence[float] | None = None
@@ -670,13 +698,21 @@ class DraftPolicy:
         return floor_factors(self.cost.predict_widths(range(1, budget + 2), 1, context)).tolist()
 
     def learn(self, tree: DraftTree, accepted: Sequence[int], request: RequestRates) -> None:
-        """Calibrate, engine-wide and for the request, by what verification kept of `tree` (block indices)."""
+        """Calibrate, engine-wide and for the request, by what verification kept of `tree` (block indices).
+
+        The engine's level compares the accepted nodes with what the engine's rates alone gave them. A cell's rate
+        is its own record, yet the nodes sent are those that looked likeliest just then (their cells, their
+        requests), so the rates they are sent at run hopeful, by a share one factor over all requests follows.
+        Measured against the rates it does not scale, the level settles at that share."""
         if self.cost is None:
             return
         if not len(tree):  # most rows of a batch, most steps: nothing to count
             request.fade()
             return
         cells, outcomes, expected = Calibration.observations(tree, accepted)  # once for both
+        engine = self.calibration.rates(TRIE_PRIOR)[cells]
+        with self._level_lock:
+            self.level.record(float(outcomes.sum()), float(engine.sum()), ENGINE_LEVEL_FADE ** len(cells))
         self.calibration.record(cells, outcomes)
         request.record(cells, outcomes, expected)
 
