@@ -455,7 +455,7 @@ MOST_LIKELY = 0.98
 ENGINE_LEVEL_WEIGHT = 20.0
 """Tried nodes of neutral evidence in the engine's level."""
 ENGINE_LEVEL_FADE = 0.998
-"""The engine's level forgets a tried node's evidence at this rate: it follows the last thousand or so nodes."""
+"""The engine's level forgets a tried node's evidence at this rate: it follows the last few hundred nodes."""
 
 
 def best_width(
