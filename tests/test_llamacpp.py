@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import hashlib
 import json
 import os
 import sys
@@ -26,6 +25,7 @@ from lookahead.bench.datasets import load_prompts
 from lookahead.bench.llamaworker import greedy
 from lookahead.cli import main
 from lookahead.drafting.tree import DraftTree
+from lookahead.models import _gguf_key
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="the llama.cpp backend is not installed (make test installs it)")
 
@@ -403,9 +403,7 @@ def quantized(f32):
     later runs reuse the file and with it the cost curves and tokenizer cached for its path (a fresh path each run
     would measure them again and leave them behind)."""
     source = f32[0].path
-    stat = source.stat()
-    identity = hashlib.sha256(f"{source}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    folder = source.parent.parent / f"quantized-llama-cpp-{metadata.version('llama-cpp-python')}-{identity}"
+    folder = source.parent.parent / f"quantized-llama-cpp-{metadata.version('llama-cpp-python')}-{_gguf_key(source)}"
 
     def of(kind: str):
         target = folder / f"{kind}.gguf"
