@@ -243,3 +243,15 @@ def test_curves_are_not_doubted_on_a_busy_machine_nor_by_dearer_steps(quiet, tmp
     for _ in range(2 * costs.CHECK_STEPS):
         cost.observe(1, ratio * QUIET[1])
     assert cost.doubt is None and json.loads(path.read_text())["one row"]["trusted"]
+
+
+def test_the_cache_keeps_its_last_measured_entries(monkeypatch, tmp_path):
+    monkeypatch.setattr(costs, "CACHE_ENTRIES", 3)
+    path = tmp_path / "costs.json"
+    known = {f"model-{day}": {"ms": {"1": 10.0, "2": 12.0}, "measured": f"2026-12-0{day}T00:00:00+0000"}
+             for day in (4, 1, 6, 2, 5)}  # fmt: skip
+    known["damaged"] = "not an entry"
+    costs.write_cache(path, known)
+    assert sorted(costs.read_cache(path)) == ["model-4", "model-5", "model-6"]
+    costs.write_cache(path, {"model-3": known["model-2"]})
+    assert list(costs.read_cache(path)) == ["model-3"], "a cache within the limit is written as it is"

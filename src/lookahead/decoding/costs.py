@@ -55,6 +55,8 @@ CHECK_EVIDENCE = 8.0
 """Steps of one size (faded) a check needs before it doubts the curves."""
 OVERPRICED = 0.75
 """Steps running under this share of their measured price, on a quiet machine, show curves measured under load."""
+CACHE_ENTRIES = 256
+"""Entries the cache file keeps, the last measured: a model file moved or replaced leaves its entries behind."""
 WIDE_ENOUGH = 8.0
 """A curve ends at the first width whose pass costs this many one-token passes: wider ones are priced by carrying its
 last segment on (the pass is then compute-bound, so near-linear), as no draft but a long sure copy would pay there.
@@ -308,12 +310,20 @@ def read_cache(path: Path) -> dict:
 
 
 def write_cache(path: Path, known: dict) -> None:
-    """The entries into the cost cache file, whole (written aside, then moved over it: a reader never sees half)."""
+    """The entries into the cost cache file, whole (written aside, then moved over it: a reader never sees half); past
+    CACHE_ENTRIES, the last measured of them."""
+    if len(known) > CACHE_ENTRIES:
+        newest = sorted(known, key=lambda name: str(_field(known[name], "measured")), reverse=True)[:CACHE_ENTRIES]
+        known = {name: known[name] for name in newest}
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         scratch = path.with_name(f".costs-{os.getpid()}.json")
         scratch.write_text(json.dumps(known, indent=1))
         scratch.replace(path)
+
+
+def _field(entry: object, name: str) -> object:
+    return entry.get(name, "") if isinstance(entry, dict) else ""
 
 
 def _sound(entry: object) -> bool:
