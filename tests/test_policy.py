@@ -7,7 +7,6 @@ from hypothesis import strategies as st
 
 from lookahead.drafting.ngrams import OUTPUT, PROMPT
 from lookahead.drafting.policy import (
-    DEPTH_BINS,
     Calibration,
     CostModel,
     DraftPolicy,
@@ -484,17 +483,3 @@ def test_what_every_request_fails_lowers_a_fresh_requests_chances_and_what_they_
     for _ in range(200):
         policy.learn(PROMPT_CHAIN, [1, 2, 3], policy.request_rates())  # the traffic changed: every node holds
     assert policy.level.value > 1.0 and policy.rates(policy.request_rates())[cell] > 0.9
-
-
-def test_paths_found_hopeful_deep_down_are_discounted_there_and_sent_shorter():
-    chain = DraftTree(tokens=[5, 6, 7, 8, 9, 10], parents=[0, 1, 2, 3, 4, 5], sources=[PROMPT] * 6,
-                      chances=[0.9, 0.8, 0.7, 0.6, 0.5, 0.4])  # fmt: skip
-    policy = DraftPolicy(CPU_LIKE)
-    assert policy.path_discount().tolist() == [1.0] * DEPTH_BINS
-    assert len(policy.fit([chain])[0]) == 6
-    for _ in range(300):
-        policy.learn(chain, [1, 2], policy.request_rates())  # the first two nodes always hold, the rest never
-    discount = policy.path_discount()
-    assert discount[:2].tolist() == [1.0, 1.0], "as likely as given, or more: never raised past the raw chance"
-    assert discount[2] < 0.2 and discount[-1] == discount[2], "a deeper node is never worth more than its parent"
-    assert len(policy.fit([chain])[0]) == 2

@@ -12,8 +12,7 @@ predicted millisecond, which may be no draft at all.
 - Acceptance: per node, the chance it is accepted once its parent is, learned online from
   verification by where the node's n-gram was seen and the trie's count ratio (Calibration),
   engine-wide and per request, with one level over all requests that keeps the rates at what is
-  accepted; a node's chance is the product along its path, discounted by depth where sent paths
-  ran hopeful (deeper nodes are grown from the likeliest-looking ones).
+  accepted; a node's chance is the product along its path.
 
 The engine and the offline replay both draft through the same trie drafter (drafter.py) and
 the same step, so a replay predicts the real run exactly.
@@ -457,8 +456,6 @@ ENGINE_LEVEL_WEIGHT = 20.0
 """Tried nodes of neutral evidence in the engine's level."""
 ENGINE_LEVEL_FADE = 0.998
 """The engine's level forgets a tried node's evidence at this rate: it follows the last few hundred nodes."""
-DEPTH_BINS = 8
-"""Path levels: one for each depth below DEPTH_BINS, one for all deeper nodes."""
 
 
 def best_width(
@@ -590,11 +587,6 @@ def least_gain(costs: Sequence[float]) -> float:
     return 0.0 if least == math.inf else least * (1 - FLOOR_SLACK)
 
 
-def _depth_bins(tree: DraftTree) -> np.ndarray:
-    """Each node's path level (DraftPolicy.paths): its depth less one, the deepest bin shared."""
-    return np.minimum(np.asarray(tree.depths, dtype=np.int64), DEPTH_BINS) - 1
-
-
 def _falling(values: Sequence[float]) -> np.ndarray:
     """`values` lowered where needed so that none exceeds an earlier one (the rank a prefix can be cut at)."""
     return np.minimum.accumulate(np.asarray(values, dtype=np.float64)) if len(values) else np.zeros(0)
@@ -625,8 +617,6 @@ class DraftPolicy:
         self.calibration = Calibration(ENGINE_PRIOR_WEIGHT)
         self.level = Level(ENGINE_LEVEL_WEIGHT)
         """What the engine's own rates are off by, over every request's tried nodes (see `learn`)."""
-        self.paths = [Level(ENGINE_LEVEL_WEIGHT) for _ in range(DEPTH_BINS)]
-        """Per depth, what the chances of sent nodes' whole paths are off by (see `learn`)."""
         self._level_lock = threading.Lock()
         self.packed = False
         """True when batched rows are packed (each pays for its own nodes), not padded to the widest."""
@@ -656,9 +646,7 @@ class DraftPolicy:
         """
         if self.cost is None or not any(trees):
             return list(trees)
-        discount = self.path_discount()
-        chances = [tree.chances if not len(tree) else np.asarray(tree.chances) * discount[_depth_bins(tree)]
-                   for tree in trees]  # fmt: skip
+        chances = [tree.chances for tree in trees]
         worth = None if last is None else self.worth(last, context)
         if self.packed and len(trees) > 1:
             sizes = best_sizes(chances, self.cost, context, worth)
@@ -715,12 +703,7 @@ class DraftPolicy:
         The engine's level compares the accepted nodes with what the engine's rates alone gave them. A cell's rate
         is its own record, yet the nodes sent are those that looked likeliest just then (their cells, their
         requests), so the rates they are sent at run hopeful, by a share one factor over all requests follows.
-        Measured against the rates it does not scale, the level settles at that share.
-
-        The same selection compounds down a path: a node is grown further when it looks likely, so the deeper a
-        sent node, the more hopeful its path's chance, though each edge's rate is right once its parent is
-        accepted. So every sent node's outcome is also counted against its path's chance, by depth
-        (`path_discount`)."""
+        Measured against the rates it does not scale, the level settles at that share."""
         if self.cost is None:
             return
         if not len(tree):  # most rows of a batch, most steps: nothing to count
@@ -728,26 +711,10 @@ class DraftPolicy:
             return
         cells, outcomes, expected = Calibration.observations(tree, accepted)  # once for both
         engine = self.calibration.rates(TRIE_PRIOR)[cells]
-        bins = _depth_bins(tree)
-        kept = np.zeros(len(tree))
-        kept[np.asarray(accepted, dtype=np.int64) - 1] = 1.0
-        sent = np.bincount(bins, minlength=DEPTH_BINS)
-        hits = np.bincount(bins, kept, minlength=DEPTH_BINS)
-        given = np.bincount(bins, np.asarray(tree.chances, dtype=np.float64), minlength=DEPTH_BINS)
         with self._level_lock:
             self.level.record(float(outcomes.sum()), float(engine.sum()), ENGINE_LEVEL_FADE ** len(cells))
-            for depth in np.flatnonzero(sent).tolist():
-                self.paths[depth].record(float(hits[depth]), float(given[depth]), ENGINE_LEVEL_FADE ** int(sent[depth]))
         self.calibration.record(cells, outcomes)
         request.record(cells, outcomes, expected)
-
-    def path_discount(self) -> np.ndarray:
-        """Per depth bin, what `fit` multiplies a node's path chance by: accepted over given at that depth, never
-        above 1 (retrieval's floors and `least` judged the raw chances: no node they left out may be worth more)
-        nor above a shallower depth's (a child is never worth more than its parent)."""
-        with self._level_lock:
-            values = [level.value for level in self.paths]
-        return np.minimum.accumulate(np.minimum(values, 1.0))
 
     def observe(self, trees: Sequence[DraftTree], milliseconds: float, context: int = BASE_CONTEXT) -> None:
         """What the step that verified `trees` together (after `context` cached tokens at most) cost."""
