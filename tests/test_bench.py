@@ -282,7 +282,9 @@ def test_the_page_leads_with_the_summary_and_gives_every_result_set_its_command(
     (run / "results.md").write_text("ignored: results.json is rendered")
     other = root / "aaa-trie" / "part"
     other.mkdir(parents=True)
-    (other / "triebench.json").write_text(json.dumps({"command": "python -m x --out y", "environment": env}))
+    note = "run of commit abc1234, the other side of an A/B."
+    (other / "triebench.json").write_text(json.dumps({"note": note, "command": "python -m x --out y",
+                                                      "environment": env}))  # fmt: skip
     (other / "triebench.md").write_text("## Speed\n\n| a |\n|---|\n| 1 |")
     (other / "plot.png").write_bytes(b"")
     summary = root / "SUMMARY.md"
@@ -291,7 +293,8 @@ def test_the_page_leads_with_the_summary_and_gives_every_result_set_its_command(
     page = (tmp_path / "BENCHMARKS.md").read_text()
     assert page.startswith("# Benchmarks\n\nHow fast: 1.5x.")
     assert page.index("## smollm2-135m") < page.index("## aaa-trie/part"), "the headline sets come first"
-    assert "Command: `python -m x --out y`" in page and "#### Speed" in page
+    assert "Command: `python -m x --out y`\n\nNote: run of commit abc1234, the other side of an A/B.\n" in page
+    assert "#### Speed" in page
     assert "![plot](benchmarks/aaa-trie/part/plot.png)" in page
     assert "| all | lookahead |" in page and "ignored" not in page
     assert "- [aaa-trie/part](#aaa-triepart)" in page

@@ -213,6 +213,8 @@ def _section(directory: Path, rel: Path) -> list[str]:
         return _bench_section(json.loads((directory / "results.json").read_text()), rel)
     record = next((r for f in sorted(directory.glob("*.json")) if "command" in (r := json.loads(f.read_text()))), None)
     lines = [f"Command: `{record['command']}`", "", _machine(record.get("environment")), ""] if record else []
+    if record and record.get("note"):  # a run of other code than the commit's (an A/B's other side)
+        lines[1:1] = ["", f"Note: {record['note'].rstrip('.')}."]
     for table in sorted(directory.glob("*.md")):
         lines += [re.sub(r"^(#+) ", r"##\1 ", table.read_text().strip(), flags=re.MULTILINE), ""]  # under this section
     return lines + [f"![{plot.stem}]({rel}/{plot.name})" for plot in sorted(directory.glob("*.png"))]
