@@ -1,6 +1,7 @@
 """The trie drafter: one request's drafts, cut by the engine's policy."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_policy import FLAT, STEEP, rising
@@ -115,3 +116,21 @@ def test_rows_of_a_packed_step_send_what_they_send_with_the_whole_trees(runs, co
 
     floored, whole = sent(least), sent([0.0] * rows)
     assert [(tree.tokens, tree.parents) for tree in floored] == [(tree.tokens, tree.parents) for tree in whole]
+
+
+def test_a_drafter_sends_its_chances_discounted_and_the_policy_learns_from_them_as_drafted():
+    trie = TokenTrie(ngram_length=8)
+    trie.insert([1, 2, 3, 4, 5, 6])
+    policy = DraftPolicy(FLAT)
+    drafter = TrieDrafting(LookaheadConfig(decoding_length=8, branch_length=6), trie, policy).open([])
+    assert len(drafter.propose([1], 100, branching=True)) == 5
+    assert policy.path_discount(drafter.rates).tolist() == [1.0] * len(policy.paths)
+    for _ in range(50):
+        drafter.verified(drafter.propose([1], 100, branching=True), [1])  # only the first node ever holds
+    tree = drafter.propose([1], 100, branching=True)
+    discount = policy.discounted(tree, drafter.rates)
+    assert discount[0] == 1.0 > discount[-1], "the chances sent are discounted where paths ran hopeful"
+    drafted = np.asarray(tree.chances) / discount
+    given = policy.paths[1].expected
+    drafter.verified(tree, [1])
+    assert policy.paths[1].expected == pytest.approx(given * 0.998 + drafted[1]), "counted as drafted"

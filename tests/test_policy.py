@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from lookahead.drafting.ngrams import OUTPUT, PROMPT
 from lookahead.drafting.policy import (
+    DEPTH_BINS,
     Calibration,
     CostModel,
     DraftPolicy,
@@ -483,3 +484,22 @@ def test_what_every_request_fails_lowers_a_fresh_requests_chances_and_what_they_
     for _ in range(200):
         policy.learn(PROMPT_CHAIN, [1, 2, 3], policy.request_rates())  # the traffic changed: every node holds
     assert policy.level.value > 1.0 and policy.rates(policy.request_rates())[cell] > 0.9
+
+
+def test_paths_found_hopeful_deep_down_are_discounted_there_and_a_request_that_copies_them_recovers():
+    chain = DraftTree(tokens=[5, 6, 7, 8, 9, 10], parents=[0, 1, 2, 3, 4, 5], sources=[PROMPT] * 6,
+                      chances=[0.9, 0.8, 0.7, 0.6, 0.5, 0.4])  # fmt: skip
+    policy = DraftPolicy(CPU_LIKE)
+    assert policy.path_discount(policy.request_rates()).tolist() == [1.0] * DEPTH_BINS
+    for _ in range(300):
+        policy.learn(chain, [1, 2], policy.request_rates())  # request after request: two nodes hold, the rest never
+    fresh = policy.request_rates()
+    discount = policy.path_discount(fresh)
+    assert discount[:2].tolist() == [1.0, 1.0], "as likely as given, or more: never raised past the chance drafted"
+    assert discount[2] < 0.2 and discount[-1] == discount[2], "a deeper node is never worth more than its parent"
+    valued = replace(chain, chances=(np.asarray(chain.chances) * policy.discounted(chain, fresh)).tolist())
+    assert len(policy.fit([chain])[0]) == 6 and len(policy.fit([valued])[0]) == 2
+    copying = policy.request_rates()
+    for _ in range(20):
+        policy.learn(chain, [1, 2, 3, 4, 5, 6], copying)  # this request's text is copied: its deep paths hold
+    assert policy.path_discount(copying)[2] > 2 * policy.path_discount(fresh)[2]

@@ -12,7 +12,8 @@ predicted millisecond, which may be no draft at all.
 - Acceptance: per node, the chance it is accepted once its parent is, learned online from
   verification by where the node's n-gram was seen and the trie's count ratio (Calibration),
   engine-wide and per request, with one level over all requests that keeps the rates at what is
-  accepted; a node's chance is the product along its path.
+  accepted; a node's chance is the product along its path, discounted by depth where sent paths
+  ran hopeful (deeper nodes are grown from the likeliest-looking ones), for all requests and for each.
 
 The engine and the offline replay both draft through the same trie drafter (drafter.py) and
 the same step, so a replay predicts the real run exactly.
@@ -428,6 +429,8 @@ class RequestRates:
     def __init__(self) -> None:
         self.calibration = Calibration(REQUEST_PRIOR_WEIGHT)
         self._level = Level(LEVEL_WEIGHT)
+        self.paths = [Level(LEVEL_WEIGHT) for _ in range(DEPTH_BINS)]
+        """Per depth, what this request's sent paths are off by once the engine's path levels scaled them."""
 
     @property
     def level(self) -> float:
@@ -441,9 +444,16 @@ class RequestRates:
         self.calibration.record(cells, outcomes)
         self._level.record(float(outcomes.sum()), float(expected.sum()), LEVEL_FADE)
 
+    def record_paths(self, hits: np.ndarray, given: np.ndarray) -> None:
+        """Per depth bin, a step's accepted nodes and the path chances the engine's path levels gave them."""
+        for depth, level in enumerate(self.paths):
+            level.record(float(hits[depth]), float(given[depth]), LEVEL_FADE)
+
     def fade(self) -> None:
-        """A step that sent nothing: the level's evidence fades, as it does every step."""
+        """A step that sent nothing: the levels' evidence fades, as it does every step."""
         self._level.record(0.0, 0.0, LEVEL_FADE)
+        for level in self.paths:
+            level.record(0.0, 0.0, LEVEL_FADE)
 
 
 LEVEL_WEIGHT = 3.0
@@ -456,6 +466,8 @@ ENGINE_LEVEL_WEIGHT = 20.0
 """Tried nodes of neutral evidence in the engine's level."""
 ENGINE_LEVEL_FADE = 0.998
 """The engine's level forgets a tried node's evidence at this rate: it follows the last few hundred nodes."""
+DEPTH_BINS = 8
+"""Path levels: one for each depth below DEPTH_BINS, one for all deeper nodes."""
 
 
 def best_width(
@@ -587,6 +599,11 @@ def least_gain(costs: Sequence[float]) -> float:
     return 0.0 if least == math.inf else least * (1 - FLOOR_SLACK)
 
 
+def _depth_bins(tree: DraftTree) -> np.ndarray:
+    """Each node's path level: its depth less one, the deepest bin shared."""
+    return np.minimum(np.asarray(tree.depths, dtype=np.int64), DEPTH_BINS) - 1
+
+
 def _falling(values: Sequence[float]) -> np.ndarray:
     """`values` lowered where needed so that none exceeds an earlier one (the rank a prefix can be cut at)."""
     return np.minimum.accumulate(np.asarray(values, dtype=np.float64)) if len(values) else np.zeros(0)
@@ -617,6 +634,8 @@ class DraftPolicy:
         self.calibration = Calibration(ENGINE_PRIOR_WEIGHT)
         self.level = Level(ENGINE_LEVEL_WEIGHT)
         """What the engine's own rates are off by, over every request's tried nodes (see `learn`)."""
+        self.paths = [Level(ENGINE_LEVEL_WEIGHT) for _ in range(DEPTH_BINS)]
+        """Per depth, what the chances of sent nodes' whole paths are off by, over every request (see `learn`)."""
         self._level_lock = threading.Lock()
         self.packed = False
         """True when batched rows are packed (each pays for its own nodes), not padded to the widest."""
@@ -703,7 +722,14 @@ class DraftPolicy:
         The engine's level compares the accepted nodes with what the engine's rates alone gave them. A cell's rate
         is its own record, yet the nodes sent are those that looked likeliest just then (their cells, their
         requests), so the rates they are sent at run hopeful, by a share one factor over all requests follows.
-        Measured against the rates it does not scale, the level settles at that share."""
+        Measured against the rates it does not scale, the level settles at that share.
+
+        The same selection compounds down a path: a node is grown further when it looks likely, so the deeper a
+        sent node, the more hopeful its path's chance, though each edge's rate is right once its parent is
+        accepted — by how much depends on the text (long copies stay right deep down). So every sent node's
+        outcome also counts against its path's chance by depth: engine-wide against the chance as drafted, and
+        for the request against that chance times the engine's path level (`path_discount`). `tree` holds the
+        chances as drafted, before any discount."""
         if self.cost is None:
             return
         if not len(tree):  # most rows of a batch, most steps: nothing to count
@@ -711,10 +737,33 @@ class DraftPolicy:
             return
         cells, outcomes, expected = Calibration.observations(tree, accepted)  # once for both
         engine = self.calibration.rates(TRIE_PRIOR)[cells]
+        bins = _depth_bins(tree)
+        kept = np.zeros(len(tree))
+        kept[np.asarray(accepted, dtype=np.int64) - 1] = 1.0
+        sent = np.bincount(bins, minlength=DEPTH_BINS)
+        hits = np.bincount(bins, kept, minlength=DEPTH_BINS)
+        given = np.bincount(bins, np.asarray(tree.chances, dtype=np.float64), minlength=DEPTH_BINS)
         with self._level_lock:
             self.level.record(float(outcomes.sum()), float(engine.sum()), ENGINE_LEVEL_FADE ** len(cells))
+            paths = np.array([level.value for level in self.paths])
+            for depth in np.flatnonzero(sent).tolist():
+                self.paths[depth].record(float(hits[depth]), float(given[depth]), ENGINE_LEVEL_FADE ** int(sent[depth]))
+        request.record_paths(hits, given * paths)
         self.calibration.record(cells, outcomes)
         request.record(cells, outcomes, expected)
+
+    def path_discount(self, request: RequestRates) -> np.ndarray:
+        """Per depth bin, what a node's path chance is worth to `request`: the engine's path level times the
+        request's, never above 1 (retrieval's floors and `least` judged the chances as drafted: no node they left
+        out may be worth more) nor above a shallower depth's (a child is never worth more than its parent)."""
+        with self._level_lock:
+            engine = np.array([level.value for level in self.paths])
+        own = np.array([level.value for level in request.paths])
+        return np.minimum.accumulate(np.minimum(engine * own, 1.0))
+
+    def discounted(self, tree: DraftTree, request: RequestRates) -> np.ndarray:
+        """Per node of `tree`, the factor its chance is worth to `request` (`path_discount` at its depth)."""
+        return self.path_discount(request)[_depth_bins(tree)]
 
     def observe(self, trees: Sequence[DraftTree], milliseconds: float, context: int = BASE_CONTEXT) -> None:
         """What the step that verified `trees` together (after `context` cached tokens at most) cost."""
