@@ -278,7 +278,7 @@ def test_the_page_leads_with_the_summary_and_gives_every_result_set_its_command(
     settings = {"max_new_tokens": 8, "limit": 1, "dtype": "float32", "sampling": "greedy"}
     rows = [{"dataset": "all", "method": "lookahead", "speedup": 1.5}]
     (run / "results.json").write_text(json.dumps({"model": "m", "command": "lookahead bench", "settings": settings,
-                                                  "environment": env, "results": rows}))  # fmt: skip
+                                                  "environment": env, "results": rows, "note": "a note"}))  # fmt: skip
     (run / "results.md").write_text("ignored: results.json is rendered")
     other = root / "aaa-trie" / "part"
     other.mkdir(parents=True)
@@ -294,7 +294,7 @@ def test_the_page_leads_with_the_summary_and_gives_every_result_set_its_command(
     assert page.startswith("# Benchmarks\n\nHow fast: 1.5x.")
     assert page.index("## smollm2-135m") < page.index("## aaa-trie/part"), "the headline sets come first"
     assert "Command: `python -m x --out y`\n\nNote: run of commit abc1234, the other side of an A/B.\n" in page
-    assert "#### Speed" in page
+    assert "#### Speed" in page and "Command: `lookahead bench`\n\nNote: a note.\n" in page
     assert "![plot](benchmarks/aaa-trie/part/plot.png)" in page
     assert "| all | lookahead |" in page and "ignored" not in page
     assert "- [aaa-trie/part](#aaa-triepart)" in page

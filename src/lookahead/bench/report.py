@@ -213,11 +213,16 @@ def _section(directory: Path, rel: Path) -> list[str]:
         return _bench_section(json.loads((directory / "results.json").read_text()), rel)
     record = next((r for f in sorted(directory.glob("*.json")) if "command" in (r := json.loads(f.read_text()))), None)
     lines = [f"Command: `{record['command']}`", "", _machine(record.get("environment")), ""] if record else []
-    if record and record.get("note"):  # a run of other code than the commit's (an A/B's other side)
-        lines[1:1] = ["", f"Note: {record['note'].rstrip('.')}."]
+    if record and record.get("note"):
+        lines[1:1] = ["", _note(record)]
     for table in sorted(directory.glob("*.md")):
         lines += [re.sub(r"^(#+) ", r"##\1 ", table.read_text().strip(), flags=re.MULTILINE), ""]  # under this section
     return lines + [f"![{plot.stem}]({rel}/{plot.name})" for plot in sorted(directory.glob("*.png"))]
+
+
+def _note(record: dict) -> str:
+    """A run's note: why it is there, e.g. a run of other code than the commit's (an A/B's other side)."""
+    return f"Note: {record['note'].rstrip('.')}."
 
 
 def _machine(env: dict | None) -> str:
@@ -232,6 +237,7 @@ def _bench_section(result: dict, rel: Path) -> list[str]:
     return [
         f"Model: {result['model']}{_sampling_title(settings.get('sampling'))}. Command: `{result['command']}`",
         "",
+        *([_note(result), ""] if result.get("note") else []),
         f"{_machine(result['environment'])} {settings['max_new_tokens']} new tokens, {settings['limit']} prompts "
         f"per set, {settings['dtype']}.",
         "",
