@@ -87,8 +87,8 @@ class TrieDrafter:
         self.rates = policy.request_rates()
         self._root = -1
         """The root of the step proposed last."""
-        self._discount: np.ndarray | None = None
-        """Per node of the tree proposed last, the factor its chance was discounted by (policy.path_discount)."""
+        self._drafted: list[float] | None = None
+        """The chances of the tree proposed last as drafted, where it was sent discounted (policy.path_discount)."""
         self._recycle: tuple[list[int], np.ndarray, list[int], np.ndarray] | None = None
         """From the last verdict: the kept path's tokens and the model's likeliest next tokens after each, then the
         same of the nodes it turned down."""
@@ -117,15 +117,14 @@ class TrieDrafter:
             if alone and policy.adaptive
             else None,
         )
-        self._discount = policy.discounted(tree, self.rates) if policy.adaptive and len(tree) else None
-        if self._discount is not None:
-            tree.chances = (np.asarray(tree.chances) * self._discount).tolist()
+        self._drafted = tree.chances if policy.adaptive and len(tree) else None
+        if self._drafted is not None:
+            tree.chances = (np.asarray(self._drafted) * policy.discounted(tree, self.rates)).tolist()
         return tree
 
     def verified(self, tree: DraftTree, accepted: Sequence[int], following: np.ndarray | None = None) -> None:
-        if self._discount is not None and len(tree):  # the policy learns from the chances as drafted
-            drafted = np.asarray(tree.chances) / self._discount[: len(tree)]
-            tree = replace(tree, chances=drafted.tolist())
+        if self._drafted is not None and len(tree):  # the policy learns from the chances as drafted
+            tree = replace(tree, chances=self._drafted[: len(tree)])
         self.policy.learn(tree, accepted, self.rates)
         if following is not None:
             tokens = np.asarray([self._root, *tree.tokens])
