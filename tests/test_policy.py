@@ -147,6 +147,18 @@ def test_a_chain_continuing_a_longer_match_is_calibrated_apart():
     assert np.array_equal(Calibration.cells(replace(one, matched=0)), Calibration.cells(one))
 
 
+def test_a_continuation_seen_once_is_calibrated_apart_from_one_seen_often():
+    engine = Calibration(weight=2.0)
+    once, often = replace(OUTPUT_CHAIN, seen=[1, 1, 1]), replace(OUTPUT_CHAIN, seen=[6, 6, 6])
+    for _ in range(300):
+        _observe(engine, often, [1, 2, 3])  # an n-gram several answers share holds
+        _observe(engine, once, [])  # the same ratios from one sighting do not
+    rates = engine.rates(PRIOR)
+    assert path_probabilities(often, rates)[-1] > 0.98 and path_probabilities(once, rates)[0] < 0.02
+    assert np.array_equal(Calibration.cells(replace(often, seen=[2, 9, 0])), Calibration.cells(often))  # 0: unknown
+    assert PRIOR[Calibration.cells(once)].tolist() == PRIOR[Calibration.cells(often)].tolist()  # both tried at first
+
+
 def test_only_nodes_whose_parent_was_accepted_are_counted():
     engine = Calibration(weight=2.0)
     for _ in range(300):

@@ -79,7 +79,7 @@ def test_recycled_children_join_the_trie_tree_once_with_their_tags():
     trie = TokenTrie(ngram_length=6, recycled=3)
     trie.insert([1, 2, 3, 4], request="r")
     trie.recycle([2, 3, 9], np.array([[3, 7, 8], [9, 4, 5], [6, 0, 1]]))
-    chance = lambda flags, ratio, deep, matched: 0.3 * ratio if flags == RECYCLED else 0.6  # noqa: E731 (learned rates)
+    chance = lambda flags, ratio, deep, matched, seen: 0.3 * ratio if flags == RECYCLED else 0.6  # noqa: E731 (learned rates)
     tree = trie.retrieve([1, 2], budget=32, max_depth=3, request="r", chance=chance)
     paths = _paths(tree)
     assert len(paths) == len(set(paths)), "no node offered twice"
@@ -100,7 +100,7 @@ def test_a_token_offered_twice_is_one_node():
     trie = TokenTrie(ngram_length=4, recycled=3)
     trie.insert([1, 2, 3], request="r")
     trie._recycled._rows = np.array([[-1, -1, -1], [-1, -1, -1], [3, 7, 7], [7, 7, 3]], dtype=np.int32)
-    tree = trie.retrieve([1, 2], budget=8, max_depth=2, request="r", chance=lambda flags, ratio, deep, matched: 0.3)
+    tree = trie.retrieve([1, 2], budget=8, max_depth=2, request="r", chance=lambda *cell: 0.3)
     paths = _paths(tree)
     assert len(paths) == len(set(paths)) and {(3,), (7,), (3, 7)} <= set(paths)
 
@@ -112,7 +112,7 @@ def test_guesses_share_only_what_retrieval_leaves():
     trie.recycle([2, 3, 4], np.array([[8, 9], [8, 9], [8, 9]]))
     sure = trie.retrieve([1, 2], budget=32, max_depth=3, request="r")  # counts say 1.0: no room for guesses
     assert sure.tokens == [3, 4, 5] and sure.chances == [1.0, 1.0, 1.0]
-    chance = lambda flags, ratio, deep, matched: 0.4 if flags == RECYCLED else 0.8  # noqa: E731
+    chance = lambda flags, ratio, deep, matched, seen: 0.4 if flags == RECYCLED else 0.8  # noqa: E731
     tree = trie.retrieve([1, 2], budget=32, max_depth=1, request="r", chance=chance)
     assert dict(zip(tree.tokens, tree.chances, strict=True)) == pytest.approx({3: 0.8, 8: 0.1, 9: 0.1})
 

@@ -69,23 +69,43 @@ def test_a_learned_chance_reorders_the_draft():
     trie.insert([1, 7, 8], request="r")  # once in this prompt
     assert trie.retrieve([1], 1, 4, request="r").tokens == [2]
 
-    def prefer_prompt(flags: int, ratio: float, deep: bool, matched: int) -> float:
+    def prefer_prompt(flags: int, ratio: float, deep: bool, matched: int, seen: int) -> float:
         return 0.9 if flags & PROMPT else 0.1
 
     prompt_first = trie.retrieve([1], 2, 4, request="r", chance=prefer_prompt)
     assert prompt_first.tokens == [7, 8] and prompt_first.scores == [0.25, 0.25]  # scores stay the trie's own
 
 
+def test_each_node_says_how_often_its_ngram_was_seen_and_the_chance_hears_it():
+    trie = TokenTrie(ngram_length=4)
+    for _ in range(3):
+        trie.observe("other", [1, 2, 3])
+    trie.insert([1, 2, 9], request="r")
+    trie.insert([1, 7, 8], request="r")
+    heard = {}
+
+    def chance(flags: int, ratio: float, deep: bool, matched: int, seen: int) -> float:
+        heard[(flags, round(ratio, 2))] = seen
+        return 0.5
+
+    tree = trie.retrieve([1], 8, 3, request="r", chance=chance)
+    seen = dict(zip(_paths(tree), tree.seen, strict=True))
+    assert seen[(2,)] == 4 and seen[(7,)] == 1  # three answers and the prompt; the prompt once
+    assert seen[(2, 3)] == 3 and seen[(2, 9)] == 1 and seen[(7, 8)] == 1
+    assert heard[(PROMPT, 0.2)] == 1 and heard[(PROMPT | OUTPUT, 0.8)] == 4
+    assert tree.prefix(2).seen == tree.seen[:2] and tree.subtree([0]).seen == tree.seen[:1]
+
+
 def test_learned_chances_of_siblings_never_add_up_past_one():
     trie = TokenTrie(ngram_length=3)
     for follower in range(10, 20):  # ten answers continued [1] ten ways, each once
         trie.observe("answers", [1, follower, follower + 50])
-    generous = trie.retrieve([1], 30, 2, chance=lambda flags, ratio, deep, matched: 0.5)
+    generous = trie.retrieve([1], 30, 2, chance=lambda flags, ratio, deep, matched, seen: 0.5)
     first = [chance for chance, parent in zip(generous.chances, generous.parents, strict=True) if parent == 0]
     assert len(first) == 10 and sum(first) == pytest.approx(1.0), "only one of them can be accepted"
     deeper = [chance for chance, parent in zip(generous.chances, generous.parents, strict=True) if parent > 0]
     assert deeper and all(chance == pytest.approx(0.05) for chance in deeper), "an only child keeps its own 0.5"
-    modest = trie.retrieve([1], 30, 2, chance=lambda flags, ratio, deep, matched: 0.05)
+    modest = trie.retrieve([1], 30, 2, chance=lambda flags, ratio, deep, matched, seen: 0.05)
     assert [c for c, p in zip(modest.chances, modest.parents, strict=True) if p == 0] == pytest.approx([0.05] * 10)
 
 

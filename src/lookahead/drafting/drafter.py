@@ -101,8 +101,8 @@ class TrieDrafter:
         self._root = context[-1]
         rates = policy.rates(self.rates).tolist() if policy.adaptive else None
 
-        def chance(flags: int, ratio: float, deep: bool, matched: int) -> float:
-            return rates[Calibration.cell(flags, ratio, deep, matched)]
+        def chance(flags: int, ratio: float, deep: bool, matched: int, seen: int) -> float:
+            return rates[Calibration.cell(flags, ratio, deep, matched, seen)]
 
         tree = self.trie.retrieve(
             context,

@@ -280,13 +280,14 @@ class Calibration:
     output, a corpus; or nowhere, only recycled from the model's own top tokens), by the
     trie's estimate for that edge (child count / parent count, in RATIO_BINS bins; a recycled
     node's rank among the model's next tokens), by how many tokens of the context the tree's
-    root matched (1 to MATCH_BINS) and by whether they continue an accepted draft token (depth
-    2 or more) or start a draft. Replayed benchmark prompts show why all four
-    (benchmarks/NOTES.md): in one ratio bin a continuation copied from the prompt is likelier
-    accepted than one seen in earlier answers, and by how much varies from one data set to
-    another (hence the per-request rates); a continuation of more matched tokens is likelier
-    accepted; a node whose parent was accepted is in a run of copied text, far likelier
-    accepted than the first node of a draft.
+    root matched (1 to MATCH_BINS), by whether they continue an accepted draft token (depth
+    2 or more) or start a draft, and by whether their n-gram was seen once or more. Replayed
+    benchmark prompts show why all five (benchmarks/NOTES.md): in one ratio bin a continuation
+    copied from the prompt is likelier accepted than one seen in earlier answers, and by how
+    much varies from one data set to another (hence the per-request rates); a continuation of
+    more matched tokens is likelier accepted; a node whose parent was accepted is in a run of
+    copied text, far likelier accepted than the first node of a draft; and a ratio of 1 from a
+    single sighting is weaker evidence than one from several.
 
     A cell's rate is (accepted + weight * prior) / (sent + weight): the engine's calibration
     has the trie's own estimate as prior; a request's (RequestRates) has the engine's rates
@@ -299,7 +300,9 @@ class Calibration:
     """Prompt, earlier output, corpus, recycled only."""
     MATCH_BINS = 4
     """Matched tails of 1 to MATCH_BINS - 1 tokens, one bin each, and of MATCH_BINS or more (none: as one)."""
-    CELLS = SOURCES * RATIO_BINS * MATCH_BINS * 2
+    SEEN_BINS = 2
+    """An n-gram seen once; seen more often (or not from a trie)."""
+    CELLS = SOURCES * RATIO_BINS * MATCH_BINS * 2 * SEEN_BINS
     HALVE_AT = 1000.0
     """Past this many observations a cell's counts are halved: the rate follows recent traffic."""
 
@@ -329,26 +332,28 @@ class Calibration:
         ranks = np.arange(cls.RATIO_BINS)[::-1]  # bin RATIO_BINS - 1 is rank 0
         recycled = 0.5 / (ranks + 1)
         per_source = np.tile(midpoints, cls.SOURCES - 1)
-        return np.repeat(np.concatenate([per_source, recycled]), cls.MATCH_BINS * 2)
+        return np.repeat(np.concatenate([per_source, recycled]), cls.MATCH_BINS * 2 * cls.SEEN_BINS)
 
     @classmethod
-    def cell(cls, flags: int, ratio: float, deep: bool, matched: int) -> int:
-        """The cell of a node from its source flags, count ratio (or rank), whether its parent is a draft node and
-        how many tokens of the context its tree's root matched."""
+    def cell(cls, flags: int, ratio: float, deep: bool, matched: int, seen: int = 0) -> int:
+        """The cell of a node from its source flags, count ratio (or rank), whether its parent is a draft node, how
+        many tokens of the context its tree's root matched and how often its n-gram was seen (0: unknown)."""
         top = cls.RATIO_BINS - 1
         if flags == RECYCLED:
             place = (cls.SOURCES - 1) * cls.RATIO_BINS + top - min(rank_of(ratio), top)
         else:
             source = 0 if flags & PROMPT else 1 if flags & OUTPUT else 2
             place = source * cls.RATIO_BINS + min(int(ratio * cls.RATIO_BINS), top)
-        return (place * cls.MATCH_BINS + min(max(matched, 1), cls.MATCH_BINS) - 1) * 2 + deep
+        row = (place * cls.MATCH_BINS + min(max(matched, 1), cls.MATCH_BINS) - 1) * 2 + deep
+        return row * cls.SEEN_BINS + (seen != 1)
 
     @classmethod
     def cells(cls, tree: DraftTree) -> np.ndarray:
         """The cell of every node of `tree`."""
-        nodes = zip(tree.sources, tree.ratios, tree.parents, strict=True)
+        nodes = zip(tree.sources, tree.ratios, tree.parents, tree.seen, strict=True)
         matched = tree.matched
-        return np.array([cls.cell(flags, ratio, parent > 0, matched) for flags, ratio, parent in nodes], dtype=np.int64)
+        cells = [cls.cell(flags, ratio, parent > 0, matched, seen) for flags, ratio, parent, seen in nodes]
+        return np.array(cells, dtype=np.int64)
 
     def rates(self, prior: np.ndarray) -> np.ndarray:
         with self._lock:

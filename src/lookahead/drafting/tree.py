@@ -26,6 +26,9 @@ class DraftTree:
     """Where each node came from: OR of the source flags (prompt, output, corpus; recycled from the model)."""
     chances: list[float] = field(default_factory=list)
     """The drafter's estimate that each node's path is accepted; nodes come likeliest first."""
+    seen: list[int] = field(default_factory=list)
+    """How often each node's n-gram was seen, pooled over the trie's sources (0: not from a trie, or only recycled):
+    a ratio of one sighting is weaker evidence than the same ratio of many (policy.Calibration)."""
     matched: int = 0
     """How many tokens of the context's end the trie matched to grow it (0: none, or not from a trie): the longer the
     match, the likelier its continuations (policy.Calibration)."""
@@ -37,8 +40,9 @@ class DraftTree:
         self.ratios = self.ratios or [1.0] * count
         self.sources = self.sources or [0] * count
         self.chances = self.chances or [1.0] * count
-        if not count == len(self.ratios) == len(self.sources) == len(self.chances):
-            raise ValueError("every node needs one ratio, one source and one chance")
+        self.seen = self.seen or [0] * count
+        if not count == len(self.ratios) == len(self.sources) == len(self.chances) == len(self.seen):
+            raise ValueError("every node needs one ratio, one source, one chance and one sighting count")
         for i, parent in enumerate(self.parents):
             if not 0 <= parent <= i:
                 raise ValueError(f"node {i} has parent {parent}: parents must come first")
@@ -81,16 +85,16 @@ class DraftTree:
             parents = [block[self.parents[node]] for node in keep]
         except KeyError:
             raise ValueError("a kept node's parent was not kept") from None
-        pick = [self.tokens, self.ratios, self.sources, self.chances]
-        tokens, ratios, sources, chances = ([column[node] for node in keep] for column in pick)
-        return DraftTree(tokens, parents, ratios, sources, chances, self.matched)
+        pick = [self.tokens, self.ratios, self.sources, self.chances, self.seen]
+        tokens, ratios, sources, chances, seen = ([column[node] for node in keep] for column in pick)
+        return DraftTree(tokens, parents, ratios, sources, chances, seen, self.matched)
 
     def prefix(self, size: int) -> DraftTree:
         """The first `size` nodes: a tree as they are, since parents come before their children."""
         if size >= len(self.tokens):
             return self
         return DraftTree(self.tokens[:size], self.parents[:size], self.ratios[:size], self.sources[:size],
-                         self.chances[:size], self.matched)  # fmt: skip
+                         self.chances[:size], self.seen[:size], self.matched)  # fmt: skip
 
     def within_leaves(self, most: int) -> DraftTree:
         """The longest prefix with at most `most` leaves (a verifier may give each leaf a scarce resource)."""

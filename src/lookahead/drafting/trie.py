@@ -43,9 +43,9 @@ from .sources import DraftSource, StoreSource
 from .tree import DraftTree
 from .triefile import RECYCLED_COLUMN, TrieSettings, read_trie, tokenizer_fingerprint, write_trie
 
-EdgeChance = Callable[[int, float, bool, int], float]
-"""Chance a draft node is accepted once its parent is, from its source flags, count ratio, depth > 1 and the tokens of
-the context its tree's root matched."""
+EdgeChance = Callable[[int, float, bool, int, int], float]
+"""Chance a draft node is accepted once its parent is, from its source flags, count ratio, depth > 1, the tokens of
+the context its tree's root matched and how often its n-gram was seen."""
 
 _Place = tuple[DraftSource, Any, int]
 """A source, a handle in it and the handle's count: one of the places where a pooled draft node was seen."""
@@ -124,8 +124,9 @@ class _Expansion:
         self.followers = followers
         self.min_score = min_score
         self.tree = DraftTree(matched=matched)
-        # heap entries: (-path chance, tie-break, token, parent block index, depth, count ratio, flags, places)
-        self.heap: list[tuple[float, int, int, int, int, float, int, list[_Place]]] = []
+        # heap entries: (-path chance, tie-break, token, parent block index, depth, count ratio, flags, times seen,
+        # places)
+        self.heap: list[tuple[float, int, int, int, int, float, int, int, list[_Place]]] = []
         self.counter = 0
 
     def best_first(self, start: list[_Place], root: int, max_depth: int) -> DraftTree:
@@ -135,7 +136,7 @@ class _Expansion:
         floors = self.floors() if self.floors is not None and heap else None  # priced only when there is a node
         taken = 1.0  # one for the root's own token, plus the chances of the nodes so far
         while heap and len(tree.tokens) < self.budget:
-            neg_chance, _, token, parent, depth, ratio, flag, places = heapq.heappop(heap)
+            neg_chance, _, token, parent, depth, ratio, flag, seen, places = heapq.heappop(heap)
             if floors is not None and -neg_chance < taken * floors[len(tree.tokens)]:
                 break  # neither this node nor any after it (none likelier) would be sent
             taken -= neg_chance
@@ -144,6 +145,7 @@ class _Expansion:
             tree.ratios.append(ratio)
             tree.sources.append(flag)
             tree.chances.append(-neg_chance)
+            tree.seen.append(seen)
             if depth < max_depth:
                 self.push_children(places, token, len(tree.tokens), -neg_chance, depth + 1)
         return tree
@@ -163,13 +165,13 @@ class _Expansion:
         deep, chance, matched = parent > 0, self.chance, self.tree.matched
         ratios = {child: weight[child] / total for child in heapq.nlargest(keep, weight, key=weight.__getitem__)}
         edges = {
-            child: ratio if chance is None else chance(flags[child], ratio, deep, matched)
+            child: ratio if chance is None else chance(flags[child], ratio, deep, matched, weight[child])
             for child, ratio in ratios.items()
         }
         guesses: dict[int, float] = {}
         for rank, child in enumerate(self.followers(token)[:keep] if self.followers else ()):
             ratio = rank_ratio(rank)
-            edge = ratio if chance is None else chance(RECYCLED, ratio, deep, matched)
+            edge = ratio if chance is None else chance(RECYCLED, ratio, deep, matched, 0)
             if child in edges:  # retrieval kept it too: the likelier of the two estimates
                 flags[child] |= RECYCLED
                 edges[child] = max(edges[child], edge)
@@ -191,7 +193,7 @@ class _Expansion:
             if child_chance > self.min_score:
                 self.counter += 1
                 entry = (-child_chance, self.counter, child, parent, depth, ratios[child], flags[child],
-                         pooled.get(child, []))  # fmt: skip
+                         weight.get(child, 0), pooled.get(child, []))  # fmt: skip
                 heapq.heappush(self.heap, entry)
 
 
@@ -386,8 +388,8 @@ class TokenTrie:
         ratios along a path estimates the chance the path is accepted. With a recycled table,
         every node (the root too) also offers the model's own likeliest next tokens after its
         token (flagged RECYCLED; ratio 1 / (rank + 1) unless retrieval found it as well). Nodes
-        are taken in order of that chance, or of the product along the path of
-        `chance(source flags, count ratio, parent is a draft node, tokens matched)` when the caller has learned
+        are taken in order of that chance, or of the product along the path of `chance(source flags,
+        count ratio, parent is a draft node, tokens matched, times seen)` when the caller has learned
         better (the adaptive policy), and listed in that order with those chances, so every
         prefix of the tree is a tree. At most `budget` nodes, `max_depth` deep, and none past the
         first whose chance is under its floor (policy.floor_factors: `floors()[i]` times 1 + the
