@@ -1,6 +1,7 @@
 """load_model: the bundled default, its conversion cache, and every kind of bad input."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 from tiny_models import tiny_gguf
 
-from lookahead import load_model
+from lookahead import load_model, models
 from lookahead.config import cache_dir
 from lookahead.models import pretrained_directory
 
@@ -99,3 +100,30 @@ def test_concurrent_conversions_then_corrupt_entry_is_rebuilt(tmp_path, private_
     model, tokenizer = load_model(source)  # in this process, on the same private cache
     assert model.config.model_type == "llama" and len(tokenizer) == model.config.vocab_size
     assert weights.stat().st_size == size and list((private_cache / "models").iterdir()) == entries
+
+
+def test_a_gguf_file_rewritten_in_place_leaves_one_conversion_behind(tmp_path, private_cache):
+    source = tiny_gguf(tmp_path / "tiny.gguf")
+    other = tiny_gguf(tmp_path / "other.gguf")
+    load_model(source)
+    load_model(other)
+    (private_cache / "models" / "made-before-sources-were-recorded").mkdir()
+    first = {entry.name for entry in (private_cache / "models").iterdir()}
+    stat = source.stat()
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # the file is written again
+    model, _ = load_model(source)
+    assert model.config.model_type == "llama"
+    now = {entry.name for entry in (private_cache / "models").iterdir()}
+    gone, added = first - now, now - first
+    assert len(gone) == 1 and gone.pop().startswith("tiny-") and len(added) == 1 and added.pop().startswith("tiny-")
+    assert any(name.startswith("other-") for name in now) and "made-before-sources-were-recorded" in now
+
+
+def test_conversions_of_one_file_to_several_types_are_all_kept(tmp_path, private_cache):
+    source = tmp_path / "weights.gguf"
+    source.write_bytes(b"one version")
+    write = lambda out: (out / "model.gguf").write_bytes(b"converted")  # noqa: E731 (a stand-in converter)
+    kept = [models._cached("gguf", f"weights-v1-{kind}", write, source, "weights-v1") for kind in ("f16", "q8_0")]
+    assert all(entry.is_dir() for entry in kept)
+    newer = models._cached("gguf", "weights-v2-f16", write, source, "weights-v2")
+    assert not any(entry.exists() for entry in kept) and (newer / "model.gguf").read_bytes() == b"converted"

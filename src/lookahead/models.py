@@ -95,7 +95,7 @@ def load_model(
         if path.is_dir():
             directory = path
         elif path.suffix == ".gguf":
-            directory = _converted(_gguf_key(path), lambda: path)
+            directory = _converted(_gguf_key(path), lambda: path, source=path)
         else:
             raise ValueError(f"{name}: not a model directory or a .gguf file")
     elif name.endswith(".gguf") or name.startswith((".", "/", "~")):
@@ -132,13 +132,15 @@ def _load_llamacpp(
     else:
         known = ", ".join(BUNDLED)
         raise ValueError(f"{name}: the llama.cpp backend runs GGUF files: a .gguf file or a bundled model ({known})")
-    tokenizer_dir = _cached("tokenizers", key, lambda out: _gguf_tokenizer(gguf).save_pretrained(out))
+    source = None if name in BUNDLED else gguf
+    tokenizer_dir = _cached("tokenizers", key, lambda out: _gguf_tokenizer(gguf).save_pretrained(out), source)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     if dtype is not None:
         kind = str(dtype).removeprefix("torch.")
         if kind not in _DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}: choose one of {', '.join(_DTYPES)}")
-        gguf = _cached("gguf", f"{key}-{kind}", lambda out: convert(gguf, out / "model.gguf", kind)) / "model.gguf"
+        entry = _cached("gguf", f"{key}-{kind}", lambda out: convert(gguf, out / "model.gguf", kind), source, key)
+        gguf = entry / "model.gguf"
     return LlamaCppModel(gguf, tokenizer, threads=threads), tokenizer
 
 
@@ -215,13 +217,21 @@ def _is_complete(directory: Path) -> bool:
         return False
 
 
-def _converted(key: str, gguf_file: Callable[[], Path]) -> Path:
-    """The safetensors directory for `key`, converting `gguf_file()` first if needed."""
-    return _cached("models", key, lambda out: _convert_gguf(gguf_file(), out))
+def _converted(key: str, gguf_file: Callable[[], Path], source: Path | None = None) -> Path:
+    """The safetensors directory for `key`, converting `gguf_file()` first if needed (`source`: see `_cached`)."""
+    return _cached("models", key, lambda out: _convert_gguf(gguf_file(), out), source)
 
 
-def _cached(kind: str, key: str, write: Callable[[Path], None]) -> Path:
-    """The cache directory `kind/key`, filled by `write(directory)` first if it is not complete."""
+def _cached(
+    kind: str, key: str, write: Callable[[Path], None], source: Path | None = None, version: str | None = None
+) -> Path:
+    """The cache directory `kind/key`, filled by `write(directory)` first if it is not complete.
+
+    `source`: the user's file the entry is made from, `version` (default `key`) naming its
+    identity then (`_gguf_key`). A file rewritten in place gets a new entry, and its entries of
+    another version in `kind` are removed then: they can never be read again, and a converted
+    model is as large as its weights.
+    """
     target = cache_dir() / kind / key
     if _is_complete(target):
         return target
@@ -229,10 +239,11 @@ def _cached(kind: str, key: str, write: Callable[[Path], None]) -> Path:
         shutil.rmtree(target, ignore_errors=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
+    record: dict[str, Any] = {} if source is None else {"source": str(source), "version": version or key}
     try:
         write(scratch)
-        files = {p.name: p.stat().st_size for p in scratch.iterdir()}
-        (scratch / _COMPLETE).write_text(json.dumps({"files": files}))
+        record["files"] = {p.name: p.stat().st_size for p in scratch.iterdir()}
+        (scratch / _COMPLETE).write_text(json.dumps(record))
         try:
             os.rename(scratch, target)
         except OSError:
@@ -240,7 +251,20 @@ def _cached(kind: str, key: str, write: Callable[[Path], None]) -> Path:
                 raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    if source is not None:
+        _remove_other_versions(target.parent, record["source"], record["version"])
     return target
+
+
+def _remove_other_versions(directory: Path, source: str, version: str) -> None:
+    """Remove the entries in `directory` made from `source` when it was another version."""
+    for entry in directory.iterdir():
+        try:
+            record = json.loads((entry / _COMPLETE).read_text())
+        except (OSError, ValueError):
+            continue  # not an entry, one being written, or one of before sources were recorded
+        if isinstance(record, dict) and record.get("source") == source and record.get("version") != version:
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
