@@ -104,10 +104,11 @@ def test_concurrent_conversions_then_corrupt_entry_is_rebuilt(tmp_path, private_
 
 def test_a_gguf_file_rewritten_in_place_leaves_one_conversion_behind(tmp_path, private_cache):
     source = tiny_gguf(tmp_path / "tiny.gguf")
-    other = tiny_gguf(tmp_path / "other.gguf")
     load_model(source)
-    load_model(other)
-    (private_cache / "models" / "made-before-sources-were-recorded").mkdir()
+    records = {"other-1": {"source": str(tmp_path / "other.gguf"), "version": "other-1"}, "made-before": {}}
+    for name, record in records.items():  # another file's entry, and one of before sources were recorded
+        (private_cache / "models" / name).mkdir()
+        (private_cache / "models" / name / "lookahead-complete.json").write_text(json.dumps({**record, "files": {}}))
     first = {entry.name for entry in (private_cache / "models").iterdir()}
     stat = source.stat()
     os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # the file is written again
@@ -116,7 +117,7 @@ def test_a_gguf_file_rewritten_in_place_leaves_one_conversion_behind(tmp_path, p
     now = {entry.name for entry in (private_cache / "models").iterdir()}
     gone, added = first - now, now - first
     assert len(gone) == 1 and gone.pop().startswith("tiny-") and len(added) == 1 and added.pop().startswith("tiny-")
-    assert any(name.startswith("other-") for name in now) and "made-before-sources-were-recorded" in now
+    assert {"other-1", "made-before"} <= now
 
 
 def test_conversions_of_one_file_to_several_types_are_all_kept(tmp_path, private_cache):
