@@ -259,10 +259,12 @@ def _cached(
 def _remove_other_versions(directory: Path, source: str, version: str) -> None:
     """Remove the entries in `directory` made from `source` when it was another version."""
     for entry in directory.iterdir():
+        if entry.name.startswith("."):
+            continue  # another process's entry being written: it renames it into place itself
         try:
             record = json.loads((entry / _COMPLETE).read_text())
         except (OSError, ValueError):
-            continue  # not an entry, one being written, or one of before sources were recorded
+            continue  # not an entry, or one of before sources were recorded
         if isinstance(record, dict) and record.get("source") == source and record.get("version") != version:
             shutil.rmtree(entry, ignore_errors=True)
 
