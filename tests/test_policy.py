@@ -401,7 +401,7 @@ def test_least_gain_worked_example():
 
 
 def _least_gain_by_every_pair(costs: list[float]) -> float:
-    """least_gain's definition, pair by pair: the reference for its convex-hull walk."""
+    """least_gain's definition, pair by pair: the reference for its walk over the curve's bends."""
     floors = []
     for i in range(len(costs)):
         for m in range(i + 1, len(costs)):
@@ -418,6 +418,18 @@ rising = st.lists(st.floats(0.1, 60.0), min_size=1, max_size=12).map(lambda step
 @settings(max_examples=300, deadline=None)
 @given(st.one_of(rising, st.lists(st.floats(1.0, 500.0), min_size=1, max_size=40)))
 def test_least_gain_is_the_least_over_every_pair(curve):
+    assert least_gain(curve) == pytest.approx(_least_gain_by_every_pair(curve), rel=1e-6, abs=1e-12)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.floats(1.0, 100.0), min_size=2, max_size=6).map(lambda steps: np.cumsum([30.0, *steps])),
+    st.integers(1, 16),
+)
+def test_least_gain_on_a_measured_curve_sampled_finely_is_the_least_over_every_pair(knots, rows):
+    """What a packed step asks: a curve of a few measured widths, read at every node count of `rows` rows."""
+    widths = (rows + np.arange(rows * (len(knots) - 1) + 1)) / rows
+    curve = np.interp(widths, np.arange(1, len(knots) + 1), knots).tolist()
     assert least_gain(curve) == pytest.approx(_least_gain_by_every_pair(curve), rel=1e-6, abs=1e-12)
 
 

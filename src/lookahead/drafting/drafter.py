@@ -99,9 +99,11 @@ class TrieDrafter:
     ) -> DraftTree:
         config, policy = self.config, self.policy
         self._root = context[-1]
-        rates = policy.rates(self.rates).tolist() if policy.adaptive else None
+        rates: list[float] = []  # read only once retrieval has an edge to judge: most steps of open text have none
 
         def chance(flags: int, ratio: float, deep: bool, matched: int, seen: int) -> float:
+            if not rates:
+                rates.extend(policy.rates(self.rates).tolist())
             return rates[Calibration.cell(flags, ratio, deep, matched, seen)]
 
         tree = self.trie.retrieve(
@@ -112,7 +114,7 @@ class TrieDrafter:
             match_length=config.match_length,
             branching=branching,
             min_score=max(config.min_score, least),
-            chance=None if rates is None else chance,
+            chance=chance if policy.adaptive else None,
             floors=(lambda: policy.floors(config.decoding_length, len(context) - 1))
             if alone and policy.adaptive
             else None,

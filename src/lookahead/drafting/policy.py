@@ -22,7 +22,6 @@ the same step, so a replay predicts the real run exactly.
 from __future__ import annotations
 
 import bisect
-import math
 import threading
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple, Protocol
@@ -532,6 +531,9 @@ def best_sizes(
 FLOOR_PLACES = 64
 """Places of a one-row step's candidates that get a floor (a stop that late saves little)."""
 FLOOR_SLACK = 1e-9
+BEND = 1e-12
+"""A curve bends where its second difference exceeds this share of its largest price: less is the rounding of
+points interpolated on one straight stretch."""
 """Floors are lowered by this fraction: `best_width` computes its rates otherwise, and at an exact tie rounding
 must not leave out a node it would send."""
 
@@ -582,26 +584,27 @@ def least_gain(costs: Sequence[float]) -> float:
     0.0196 and 0.049, giving 0.02 and 0.052; from i = 2 0.077, giving 0.091; so f = 0.02, and in
     a step of 8 rows worth alike (G0 = 8 times a row's worth) a node needs a chance of 0.16.
     """
-    cost = [float(value) for value in costs]
-    if min(cost, default=1.0) <= 0:
+    cost = np.asarray(costs, dtype=np.float64)
+    n = len(cost) - 1
+    if n < 1:
+        return 0.0
+    if cost.min() <= 0:
         return 0.0  # a free step: no floor holds
-    least = math.inf
-    hull: list[int] = []  # the lower convex hull of the points right of i, leftmost last
-
-    def slope(i: int, m: int) -> float:
-        return (cost[m] - cost[i]) / (m - i)
-
-    for i in range(len(cost) - 1, -1, -1):
-        while len(hull) >= 2 and slope(i, hull[-2]) <= slope(i, hull[-1]):
-            hull.pop()  # under the chord from i: never the flattest chord from here or further left
-        if hull:
-            s = slope(i, hull[-1]) / cost[i]  # the least s from i: where the hull touches the chord from i
-            if s <= 0:
-                return 0.0
-            if i * s < 1:
-                least = min(least, s / (1 - i * s))
-        hull.append(i)
-    return 0.0 if least == math.inf else least * (1 - FLOOR_SLACK)
+    # For a fixed i, a chord's slope to m along a straight stretch of the curve changes monotonically with m, so
+    # its least is at i + 1 or at a bend or the end: a measured curve has a few bends, not n.
+    bends = np.flatnonzero(np.abs(np.diff(cost, 2)) > BEND * cost.max()) + 1
+    ends = np.append(bends, n)[None, :]
+    places = np.arange(n)
+    chords = np.where(
+        ends > places[:, None], (cost[ends] - cost[:-1, None]) / np.maximum(ends - places[:, None], 1), np.inf
+    )
+    s = np.minimum(chords.min(axis=1), np.diff(cost)) / cost[:-1]
+    if (s <= 0).any():
+        return 0.0
+    fits = places * s < 1  # elsewhere no node could sit at place i
+    if not fits.any():
+        return 0.0
+    return float((s[fits] / (1 - places[fits] * s[fits])).min()) * (1 - FLOOR_SLACK)
 
 
 def _depth_bins(tree: DraftTree) -> np.ndarray:
