@@ -285,7 +285,21 @@ def test_a_wide_size_never_tried_is_priced_like_its_narrower_neighbours():
         cost.observe(1, 100.0, rows=8)
     assert cost.predict(16, rows=8) == pytest.approx(1.5 * cost.measured(16, rows=8), rel=0.1)
     assert cost.predict(1, rows=8) == pytest.approx(100.0, rel=0.05), "narrower sizes keep their own"
-    assert cost.predict(16, rows=2) == pytest.approx(cost.measured(16, rows=2)), "other row counts are not told"
+    assert cost.predict(16, rows=2) == pytest.approx(1.5 * cost.measured(16, rows=2), rel=0.1), "nor other rows"
+
+
+def test_a_row_count_not_seen_yet_expects_what_its_width_showed_at_other_row_counts():
+    """A closed batch's tail: rows leave one by one, so each row count's first drafting steps are priced by the
+    width's record at the counts before it, not by plain steps' factor."""
+    cost = CostModel({1: 50.0, 8: 60.0}, batched={8: {1: 100.0, 4: 110.0, 16: 200.0}})
+    for _ in range(30):  # 8 rows: drafting steps at 1.4x their measurement, plain ones as measured
+        cost.observe(4, 1.4 * cost.measured(4, rows=8), rows=8)
+        cost.observe(1, 100.0, rows=8)
+    assert cost.predict(4, rows=3) == pytest.approx(1.4 * cost.measured(4, rows=3), rel=0.05)
+    assert cost.predict(1, rows=3) == pytest.approx(cost.measured(1, rows=3), rel=0.05), "plain as plain ran"
+    for _ in range(30):  # then 3 rows' own drafting steps run as measured: their own evidence wins
+        cost.observe(4, cost.measured(4, rows=3), rows=3)
+    assert cost.predict(4, rows=3) == pytest.approx(cost.measured(4, rows=3), rel=0.1)
 
 
 def test_a_wider_size_that_ran_cheaper_than_a_narrower_one_is_not_priced_under_it():

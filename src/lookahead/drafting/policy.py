@@ -100,9 +100,12 @@ class CostModel:
     (1, 2, 3-4, 5-8, …) — learns its own factor (observed / measured). A start-up
     measurement on a shared CPU can be off by 2x at one size and right at the next (8 rows
     of 4 tokens measured at 1.2x 8 rows of 1, then running at 2.1x); one factor for all
-    sizes cannot undo a wrong shape. A size without recent evidence takes `scale`, the
-    factor of plain steps (width 1, which every policy can fall back to, so they are seen
-    whenever drafting is priced too high). An underpriced drafting size is chosen, observed
+    sizes cannot undo a wrong shape. A size without recent evidence takes what its width
+    bucket has shown at any row count (a closed batch's rows leave one by one, so most row
+    counts of its tail are new, and its drafting steps ran dearer than measured at every row
+    count, benchmarks/NOTES.md), and where the bucket has no evidence `scale`, the factor of
+    plain steps (width 1, which every policy can fall back to, so they are seen whenever
+    drafting is priced too high). An underpriced drafting size is chosen, observed
     and repriced; an overpriced one loses its evidence as it ages and is tried again, at no
     less than a narrower size's factor (`_bucket_factors`).
     """
@@ -136,6 +139,8 @@ class CostModel:
         """Observed / measured cost of plain steps, followed slowly: the machine's load and context."""
         self._factors: dict[tuple[int, int], tuple[float, float, int]] = {}
         """(rows, width bucket) -> (observed / measured, steps of evidence, step count when last seen)."""
+        self._bucket_evidence: dict[int, tuple[float, float, int]] = {}
+        """Width bucket -> the same over steps of any row count: the prior of a row count not seen at it."""
         self._steps = 0
 
     def measurement(self) -> CostModel:
@@ -191,28 +196,43 @@ class CostModel:
         """For each width bucket up to `widest`, how real steps of that size compare with the measurement: its own
         recent evidence blended with a prior.
 
-        The prior is `scale`, or a narrower size's factor of the same rows where that is
-        higher: a curve that underprices narrow blocks underprices wider ones at least as
-        much (benchmarks/NOTES.md), so a wide size seldom tried is not taken for cheaper than its neighbours. And
-        no size's factor is below a narrower one's: a factor falling from one bucket to the
-        next makes the price fall where the bucket begins, a wider step priced under a narrower
-        one, which tells a packed step that any node may be worth sending to get there
-        (`least_gain` 0: every row of a batch retrieved its whole budget, benchmarks/NOTES.md).
+        The prior is the bucket's factor over every row count (`scale` where the bucket has no
+        evidence), or a narrower size's factor of the same rows where that is higher: a curve
+        that underprices narrow blocks underprices wider ones at least as much
+        (benchmarks/NOTES.md), so a wide size seldom tried is not taken for cheaper than its
+        neighbours. And no size's factor is below a narrower one's: a factor falling from one
+        bucket to the next makes the price fall where the bucket begins, a wider step priced
+        under a narrower one, which tells a packed step that any node may be worth sending to
+        get there (`least_gain` 0: every row of a batch retrieved its whole budget, benchmarks/NOTES.md).
         """
-        factors, prior = [], self.scale
+        factors, narrower = [], 0.0
         for bucket in range(widest + 1):
-            own = self._blended(rows, bucket, prior)
+            prior = self._bucket_prior(bucket)
+            own = self._blended(rows, bucket, max(prior, narrower))
             factors.append(max(own, factors[-1]) if factors else own)
-            prior = max(prior, self._blended(rows, bucket, self.scale))
+            narrower = max(narrower, self._blended(rows, bucket, prior))
         return factors
 
+    def _bucket_prior(self, bucket: int) -> float:
+        """What steps of this width bucket ran at over every row count, blended with `scale`."""
+        return self._faded(self._bucket_evidence.get(bucket), self.scale)
+
     def _blended(self, rows: int, bucket: int, prior: float) -> float:
-        own = self._factors.get((rows, bucket))
-        if own is None:
+        return self._faded(self._factors.get((rows, bucket)), prior)
+
+    def _faded(self, learned: tuple[float, float, int] | None, prior: float) -> float:
+        """A learned factor, its evidence faded by the steps since, blended with `prior` (PRIOR_STEPS of evidence)."""
+        if learned is None:
             return prior
-        factor, evidence, seen = own
+        factor, evidence, seen = learned
         evidence *= self.FORGET ** (self._steps - seen)
         return (evidence * factor + self.PRIOR_STEPS * prior) / (evidence + self.PRIOR_STEPS)
+
+    def _learned(self, learned: tuple[float, float, int] | None, ratio: float) -> tuple[float, float, int]:
+        """A factor after one more step that ran at `ratio` of its measured price."""
+        factor, evidence, seen = learned if learned is not None else (ratio, 0.0, self._steps)
+        evidence = evidence * self.FORGET ** (self._steps - seen) + 1
+        return factor + (ratio - factor) * max(1 / evidence, self.LEARNING_RATE), evidence, self._steps
 
     def predict(self, width: float, rows: int = 1, context: int = BASE_CONTEXT) -> float:
         return float(self.predict_widths([width], rows, context)[0])
@@ -239,14 +259,14 @@ class CostModel:
         """Learn from a real step of this size; a step 5x off what its size has been running at is an outlier (a
         pause), ignored."""
         ratio = milliseconds / self.measured(width, rows, context)
-        key = (rows, _bucket(width))
-        if not 0.2 < ratio / self._blended(rows, key[1], self.scale) < 5:  # its own, not a narrower size's floor
+        bucket = _bucket(width)
+        key = (rows, bucket)
+        if not 0.2 < ratio / self._blended(rows, bucket, self._bucket_prior(bucket)) < 5:  # not a narrower one's floor
             return
         if width == 1:
             self.scale += 0.05 * (ratio - self.scale)
-        factor, evidence, seen = self._factors.get(key, (ratio, 0.0, self._steps))
-        evidence = evidence * self.FORGET ** (self._steps - seen) + 1
-        self._factors[key] = (factor + (ratio - factor) * max(1 / evidence, self.LEARNING_RATE), evidence, self._steps)
+        self._factors[key] = self._learned(self._factors.get(key), ratio)
+        self._bucket_evidence[bucket] = self._learned(self._bucket_evidence.get(bucket), ratio)
         self._steps += 1
 
 
