@@ -105,6 +105,7 @@ def test_concurrent_conversions_then_corrupt_entry_is_rebuilt(tmp_path, private_
 def test_a_gguf_file_rewritten_in_place_leaves_one_conversion_behind(tmp_path, private_cache):
     source = tiny_gguf(tmp_path / "tiny.gguf")
     load_model(source)
+    (tmp_path / "other.gguf").write_bytes(b"another model")
     records = {"other-1": {"source": str(tmp_path / "other.gguf"), "version": "other-1"}, "made-before": {}}
     for name, record in records.items():  # another file's entry, and one of before sources were recorded
         (private_cache / "models" / name).mkdir()
@@ -118,6 +119,19 @@ def test_a_gguf_file_rewritten_in_place_leaves_one_conversion_behind(tmp_path, p
     gone, added = first - now, now - first
     assert len(gone) == 1 and gone.pop().startswith("tiny-") and len(added) == 1 and added.pop().startswith("tiny-")
     assert {"other-1", "made-before"} <= now
+
+
+def test_the_entries_of_a_deleted_file_go_when_the_cache_next_grows(tmp_path, private_cache):
+    write = lambda out: (out / "model.gguf").write_bytes(b"converted")  # noqa: E731 (a stand-in converter)
+    deleted, kept = tmp_path / "deleted.gguf", tmp_path / "kept.gguf"
+    for source in (deleted, kept):
+        source.write_bytes(b"weights")
+    old = [models._cached("gguf", f"{source.stem}-v1", write, source) for source in (deleted, kept)]
+    deleted.unlink()
+    assert old[0].is_dir(), "nothing is removed until the cache grows"
+    (tmp_path / "new.gguf").write_bytes(b"weights")
+    models._cached("gguf", "new-v1", write, tmp_path / "new.gguf")
+    assert not old[0].exists() and old[1].is_dir()
 
 
 def test_conversions_of_one_file_to_several_types_are_all_kept(tmp_path, private_cache):

@@ -229,8 +229,9 @@ def _cached(
 
     `source`: the user's file the entry is made from, `version` (default `key`) naming its
     identity then (`_gguf_key`). A file rewritten in place gets a new entry, and its entries of
-    another version in `kind` are removed then: they can never be read again, and a converted
-    model is as large as its weights.
+    another version in `kind` are removed then, as are the entries of files no longer there
+    (deleted or moved): they can never be read again, and a converted model is as large as its
+    weights.
     """
     target = cache_dir() / kind / key
     if _is_complete(target):
@@ -252,12 +253,13 @@ def _cached(
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     if source is not None:
-        _remove_other_versions(target.parent, record["source"], record["version"])
+        _remove_stale(target.parent, record["source"], record["version"])
     return target
 
 
-def _remove_other_versions(directory: Path, source: str, version: str) -> None:
-    """Remove the entries in `directory` made from `source` when it was another version."""
+def _remove_stale(directory: Path, source: str, version: str) -> None:
+    """Remove the entries in `directory` made from `source` when it was another version, and those made from a file
+    that is gone."""
     for entry in directory.iterdir():
         if entry.name.startswith("."):
             continue  # another process's entry being written: it renames it into place itself
@@ -265,7 +267,9 @@ def _remove_other_versions(directory: Path, source: str, version: str) -> None:
             record = json.loads((entry / _COMPLETE).read_text())
         except (OSError, ValueError):
             continue  # not an entry, or one of before sources were recorded
-        if isinstance(record, dict) and record.get("source") == source and record.get("version") != version:
+        if not isinstance(record, dict) or not isinstance(made_from := record.get("source"), str):
+            continue
+        if (made_from == source and record.get("version") != version) or not Path(made_from).exists():
             shutil.rmtree(entry, ignore_errors=True)
 
 
