@@ -5,6 +5,7 @@ Needs vLLM importable (its version is checked): `make test` runs this file in .v
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -57,6 +58,21 @@ def test_a_saved_trie_warm_starts_the_proposer(monkeypatch, tmp_path) -> None:
     runner = Runner(proposer, prompt=[1, 2, 3])
     step = SimpleNamespace(scheduled_spec_decode_tokens={}, finished_req_ids=set(), num_scheduled_tokens={"r": 3})
     assert runner.propose_draft_token_ids(step, [299]) == [ANSWER[:4]]  # the saved answer, 4 tokens at most
+
+
+def test_what_the_proposer_learned_is_saved_once_drafting_pauses(monkeypatch, tmp_path) -> None:
+    """Long before `save_every_s`: vLLM may kill a worker a few seconds into its shutdown, before the last save."""
+    path = tmp_path / "trie.bin"
+    monkeypatch.setenv(ENVIRONMENT, Settings(trie_path=str(path), save_every_s=3600).to_json())
+    proposer = LookaheadProposer(vllm_config(tokens=4))
+    runner = Runner(proposer, prompt=[1, 2, 3])
+    step = SimpleNamespace(scheduled_spec_decode_tokens={}, finished_req_ids=set(), num_scheduled_tokens={"r": 3})
+    runner.propose_draft_token_ids(step, [299])  # the prompt's first answer token learned
+    deadline = time.monotonic() + 60
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    saved = TokenTrie.load(path)
+    assert saved.learned == proposer.chains.drafting.trie.learned > 0
 
 
 def test_a_trie_of_another_tokenizer_is_refused(monkeypatch, tmp_path) -> None:

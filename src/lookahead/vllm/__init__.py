@@ -35,7 +35,8 @@ class Settings:
 
     config: LookaheadConfig = field(default_factory=LookaheadConfig)
     trie_path: str | None = None
-    """A trie file: loaded at start if it exists, saved every `save_every_s` and at shutdown."""
+    """A trie file: loaded at start if it exists, saved when drafting pauses, every `save_every_s` while it does not,
+    and at shutdown."""
     save_every_s: float = 300.0
 
     def __post_init__(self) -> None:

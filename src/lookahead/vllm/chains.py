@@ -165,7 +165,7 @@ class ChainDrafting:
         self._last_call: float | None = None
         self._last_context = 0
         self.closed = 0
-        """Requests closed so far (the trie file is saved when this moves)."""
+        """Requests closed so far."""
         self.steady_steps = 0
         """Steps the cost model learned from (no prompt read in them)."""
 

@@ -1,15 +1,18 @@
 """The class vLLM's `custom_class` speculative method instantiates in each worker process.
 
 One trie per worker process, built from the LOOKAHEAD_VLLM settings (or loaded from the
-trie file), shared by every request that worker runs; the file is saved every few minutes
-while answers arrive, and at shutdown.
+trie file), shared by every request that worker runs. The file is saved when the worker's
+drafting pauses (QUIET_S), every `save_every_s` while it does not, and as the worker ends:
+vLLM's shutdown gives a worker a few seconds before killing it, too short to count on for the
+only save, and it never tells a proposer it is stopping.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from multiprocessing.util import Finalize
 from typing import Any
 
@@ -21,6 +24,11 @@ from .chains import ChainDrafting
 from .runner import calling_runner, check_version, read_batch
 
 log = logging.getLogger("lookahead.vllm")
+QUIET_S = 1.0
+"""A worker whose proposer has not been called for this long is between bursts: what it learned is saved then."""
+QUIET_SAVE_SHARE = 0.1
+"""Saves between bursts take at most this share of the time: a large trie takes seconds to write, and bursts a few
+seconds apart must not keep a core writing it."""
 
 
 class LookaheadProposer:
@@ -40,10 +48,14 @@ class LookaheadProposer:
         drafting.trie.bind_tokenizer(tokenizer)  # a trie saved with another tokenizer is refused here
         drafting.trie.check_vocabulary(model_config.get_vocab_size())  # and one with ids the model lacks
         self.chains = ChainDrafting(drafting, vllm_config.speculative_config.num_speculative_tokens)
+        self.called_at = time.monotonic()
+        """When vLLM last asked for drafts (monotonic seconds)."""
         if settings.trie_path is not None:
-            saver = TrieSaver(drafting.trie, settings.trie_path, settings.save_every_s, lambda: self.chains.closed)
+            trie = drafting.trie
+            saver = TrieSaver(trie, settings.trie_path, settings.save_every_s, lambda: trie.learned)
             stop = threading.Event()
-            periodic = threading.Thread(target=_save_periodically, args=(saver, stop), name="lookahead-trie-saver")
+            args = (saver, stop, lambda: self.called_at)
+            periodic = threading.Thread(target=_save_periodically, args=args, name="lookahead-trie-saver")
             periodic.daemon = True
             periodic.start()
             # Run as the worker process ends, forked or spawned (a forked child skips atexit), and in the main one.
@@ -54,13 +66,23 @@ class LookaheadProposer:
 
     def propose(self, sampled_token_ids: Sequence[Sequence[int]], *args: Any, **kwargs: Any) -> list[list[int]]:
         runner, scheduler_output = calling_runner()
-        return self.chains.propose(read_batch(runner, scheduler_output, sampled_token_ids))
+        try:
+            return self.chains.propose(read_batch(runner, scheduler_output, sampled_token_ids))
+        finally:
+            self.called_at = time.monotonic()
 
 
-def _save_periodically(saver: TrieSaver, stop: threading.Event) -> None:
-    while not stop.wait(saver.every_s):
-        if saver.changed():
+def _save_periodically(saver: TrieSaver, stop: threading.Event, called_at: Callable[[], float]) -> None:
+    """Save what was learned once drafting has paused for QUIET_S (no more often than QUIET_SAVE_SHARE of the time
+    allows), and every `saver.every_s` while it runs on."""
+    saved_at, took = time.monotonic(), 0.0
+    while not stop.wait(QUIET_S / 2):
+        now = time.monotonic()
+        quiet = now - called_at() >= QUIET_S and now - saved_at >= took / QUIET_SAVE_SHARE
+        if (quiet or now - saved_at >= saver.every_s) and saver.changed():
             saver.save()
+            saved_at = time.monotonic()
+            took = saved_at - now
 
 
 def _save_at_exit(saver: TrieSaver, stop: threading.Event, periodic: threading.Thread) -> None:
