@@ -551,11 +551,11 @@ def best_sizes(
 FLOOR_PLACES = 64
 """Places of a one-row step's candidates that get a floor (a stop that late saves little)."""
 FLOOR_SLACK = 1e-9
+"""Floors are lowered by this fraction: `best_width` computes its rates otherwise, and at an exact tie rounding
+must not leave out a node it would send."""
 BEND = 1e-12
 """A curve bends where its second difference exceeds this share of its largest price: less is the rounding of
 points interpolated on one straight stretch."""
-"""Floors are lowered by this fraction: `best_width` computes its rates otherwise, and at an exact tie rounding
-must not leave out a node it would send."""
 
 
 def floor_factors(costs: Sequence[float], places: int = FLOOR_PLACES) -> np.ndarray:

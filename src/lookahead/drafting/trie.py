@@ -255,13 +255,6 @@ class TokenTrie:
         with self._lock:
             return len(self._shared)
 
-    @property
-    def learned(self) -> int:
-        """Tokens learned into the shared index so far (a loaded file's count included): it moves whenever the index
-        may have changed, so a saver can tell whether a save is due."""
-        with self._lock:
-            return self._learned
-
     def bind_tokenizer(self, tokenizer: Any) -> None:
         """Adopt a tokenizer, or refuse one other than the tokenizer this trie was built with."""
         fingerprint = tokenizer_fingerprint(tokenizer)

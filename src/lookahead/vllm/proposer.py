@@ -52,7 +52,8 @@ class LookaheadProposer:
         """When vLLM last asked for drafts (monotonic seconds)."""
         if settings.trie_path is not None:
             trie = drafting.trie
-            saver = TrieSaver(trie, settings.trie_path, settings.save_every_s, lambda: trie.learned)
+            learned = lambda: trie.stats()["tokens_learned"]  # noqa: E731 (moves whenever the shared index may change)
+            saver = TrieSaver(trie, settings.trie_path, settings.save_every_s, learned)
             stop = threading.Event()
             args = (saver, stop, lambda: self.called_at)
             periodic = threading.Thread(target=_save_periodically, args=args, name="lookahead-trie-saver")
