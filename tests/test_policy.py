@@ -5,9 +5,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lookahead.drafting.ngrams import OUTPUT, PROMPT
+from lookahead.drafting.ngrams import FOLLOWED, OUTPUT, OVERRULED, PROMPT
 from lookahead.drafting.policy import (
     DEPTH_BINS,
+    OVERRULED_PRIOR,
     Calibration,
     CostModel,
     DraftPolicy,
@@ -157,6 +158,21 @@ def test_a_continuation_seen_once_is_calibrated_apart_from_one_seen_often():
     assert path_probabilities(often, rates)[-1] > 0.98 and path_probabilities(once, rates)[0] < 0.02
     assert np.array_equal(Calibration.cells(replace(often, seen=[2, 9, 0])), Calibration.cells(often))  # 0: unknown
     assert PRIOR[Calibration.cells(once)].tolist() == PRIOR[Calibration.cells(often)].tolist()  # both tried at first
+
+
+def test_what_the_model_last_chose_after_the_parent_is_calibrated_apart_and_an_overruled_node_starts_doubted():
+    engine = Calibration(weight=2.0)
+    followed, overruled = (replace(OUTPUT_CHAIN, sources=[OUTPUT | flag] * 3) for flag in (FOLLOWED, OVERRULED))
+    for _ in range(300):
+        _observe(engine, followed, [1, 2, 3])  # where the model chose the drafted token last time, it holds
+        _observe(engine, overruled, [])  # where it chose another, it does not
+    rates = engine.rates(PRIOR)
+    assert path_probabilities(followed, rates)[-1] > 0.98 and path_probabilities(overruled, rates)[0] < 0.02
+    assert rates[Calibration.cells(OUTPUT_CHAIN)].tolist() == PRIOR[Calibration.cells(OUTPUT_CHAIN)].tolist()
+    assert PRIOR[Calibration.cells(followed)].tolist() == PRIOR[Calibration.cells(OUTPUT_CHAIN)].tolist()
+    assert np.allclose(PRIOR[Calibration.cells(overruled)], OVERRULED_PRIOR * PRIOR[Calibration.cells(OUTPUT_CHAIN)])
+    recycled = DraftTree(tokens=[5], parents=[0], ratios=[1.0], sources=[8 | FOLLOWED])
+    assert Calibration.cells(recycled)[0] == Calibration.cells(replace(recycled, sources=[8]))[0] + 1  # still recycled
 
 
 def test_only_nodes_whose_parent_was_accepted_are_counted():

@@ -179,11 +179,11 @@ def test_a_trie_file_keeps_the_table_and_old_files_load(tmp_path):
     loaded = TokenTrie.load(tmp_path / "t.trie")
     assert loaded.recycled.followers(2) == [3, 4] and loaded.retrieve([1], 4, 4).tokens[:2] == [2, 3]
     plain = TokenTrie(ngram_length=4)
-    plain.observe("a", [1, 2, 3])
+    plain.insert([1, 2, 3])  # a corpus: nothing the model chose either
     plain.save(tmp_path / "p.trie")
     assert TokenTrie.load(tmp_path / "p.trie").recycled is None
     assert _PREFIX.unpack((tmp_path / "p.trie").read_bytes()[: _PREFIX.size])[1] == 1, "no table: readable by v1"
-    assert _PREFIX.unpack((tmp_path / "t.trie").read_bytes()[: _PREFIX.size])[1] == 2
+    assert _PREFIX.unpack((tmp_path / "t.trie").read_bytes()[: _PREFIX.size])[1] == 3, "what the model chose: v3"
     # a file of version 1, written before the table existed: no `recycled` setting, no column
     columns, settings = read_trie(tmp_path / "p.trie")
     old = {name: value for name, value in asdict(settings).items() if name != "recycled"}

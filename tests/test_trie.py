@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lookahead.drafting.ngrams import CORPUS, OUTPUT, PROMPT
+from lookahead.drafting.ngrams import CORPUS, FOLLOWED, OUTPUT, OVERRULED, PROMPT
 from lookahead.drafting.trie import TokenTrie
 
 
@@ -59,7 +59,12 @@ def test_draft_nodes_carry_where_they_were_seen():
     trie.insert([1, 5])  # corpus
     tree = trie.retrieve([1], 8, 4, request="r")
     flags = dict(zip(_paths(tree), tree.sources, strict=True))
-    assert flags == {(2,): PROMPT | OUTPUT, (2, 3): PROMPT, (2, 4): OUTPUT, (5,): CORPUS}
+    assert flags == {  # and the output had 2 after 1 and 4 after 2
+        (2,): PROMPT | OUTPUT | FOLLOWED,
+        (2, 3): PROMPT | OVERRULED,
+        (2, 4): OUTPUT | FOLLOWED,
+        (5,): CORPUS | OVERRULED,
+    }
 
 
 def test_a_learned_chance_reorders_the_draft():
@@ -92,8 +97,29 @@ def test_each_node_says_how_often_its_ngram_was_seen_and_the_chance_hears_it():
     seen = dict(zip(_paths(tree), tree.seen, strict=True))
     assert seen[(2,)] == 4 and seen[(7,)] == 1  # three answers and the prompt; the prompt once
     assert seen[(2, 3)] == 3 and seen[(2, 9)] == 1 and seen[(7, 8)] == 1
-    assert heard[(PROMPT, 0.2)] == 1 and heard[(PROMPT | OUTPUT, 0.8)] == 4
+    assert heard[(PROMPT | OVERRULED, 0.2)] == 1 and heard[(PROMPT | OUTPUT | FOLLOWED, 0.8)] == 4
     assert tree.prefix(2).seen == tree.seen[:2] and tree.subtree([0]).seen == tree.seen[:1]
+
+
+def test_the_models_own_last_choice_after_a_token_confirms_one_child_and_overrules_its_siblings():
+    trie = TokenTrie(ngram_length=4)
+    trie.insert([1, 2, 8], request="r")
+    trie.insert([1, 3, 9], request="r")
+    trie.insert([1, 2, 7])  # a corpus says what text holds, not what the model chooses
+
+    def follow_flags() -> dict[tuple[int, ...], int]:
+        tree = trie.retrieve([1], 8, 1, request="r")
+        return {path: flags & (FOLLOWED | OVERRULED) for path, flags in zip(_paths(tree), tree.sources, strict=True)}
+
+    assert follow_flags() == {(2,): 0, (3,): 0}  # nothing known yet
+    trie.observe("a", [1])
+    trie.observe("a", [3])  # the pair spans two steps of one request
+    assert follow_flags() == {(2,): OVERRULED, (3,): FOLLOWED}
+    trie.learn_answer([5, 1, 2])  # another replica's answer: the model's output too, and the latest
+    assert follow_flags() == {(2,): FOLLOWED, (3,): OVERRULED}
+    trie.observe("b", [4])
+    trie.observe("b", [1, 6])  # the latest choice after 1: every other child overruled
+    assert follow_flags() == {(2,): OVERRULED, (3,): OVERRULED, (6,): FOLLOWED}
 
 
 def test_learned_chances_of_siblings_never_add_up_past_one():

@@ -135,6 +135,11 @@ def _drop(column: str) -> Edit:
     return edit
 
 
+def _next_twice(columns: dict[str, np.ndarray], record: dict) -> None:
+    """What the model last chose after one token, stored twice."""
+    columns["model_next"][1, 0] = columns["model_next"][0, 0]
+
+
 def _extra(columns: dict[str, np.ndarray], record: dict) -> None:
     columns["pickle"] = np.zeros(3, dtype=np.uint8)
 
@@ -205,6 +210,11 @@ def _column_edits() -> list[tuple[str, Edit, str]]:
         ("count as float", _cast("count", np.float64), "column count is 1-d float64"),
         ("2-d parent", _cast("parent", np.int32, (1, -1)), "column parent is 2-d"),
         ("missing column", _drop("source"), "columns \\['count'"),
+        ("model_next token below 0", _set("model_next", 0, [3, -1]), "model_next column holds a token id out of"),
+        ("model_next token past 2**24", _set("model_next", 1, [1 << 24, 3]), "model_next column holds a token id out"),
+        ("model_next token stored twice", _next_twice, "model_next column names a token twice"),
+        ("model_next as int64", _cast("model_next", np.int64, (-1, 2)), "model_next column is a 2-d int64"),
+        ("model_next 1-d", _cast("model_next", np.int32), "model_next column is a 1-d int32"),
         ("extra column", _extra, "'pickle'"),
         ("settings a list", _replace([4, [0]]), "not a record"),
         ("settings text", _replace("ngram_length=4"), "not a record"),
@@ -319,14 +329,27 @@ def test_odd_settings_load_harmlessly(tmp_path, name, changes):
     still_works(TokenTrie.load(path), tmp_path)
 
 
+def test_a_column_newer_than_the_files_version_is_refused(tmp_path):
+    columns, record = sample_parts()
+    payload = trie_payload(columns, record)
+    path = tmp_path / "v2-with-model-next"
+    path.write_bytes(_PREFIX.pack(MAGIC, 2, len(payload), hashlib.sha256(payload).digest()) + payload)
+    assert "model_next" in _refusal(path)
+    del columns["model_next"]
+    payload = trie_payload(columns, record)
+    path.write_bytes(_PREFIX.pack(MAGIC, 2, len(payload), hashlib.sha256(payload).digest()) + payload)
+    still_works(TokenTrie.load(path), tmp_path)  # a version 2 file: nothing known of the model's choices yet
+
+
 def test_token_ids_outside_the_vocabulary_are_refused_when_bound(tmp_path):
     columns, record = sample_parts()
     columns["token"][3] = VOCAB
+    columns["model_next"][0, 1] = VOCAB + 1
     path = tmp_path / "big-vocabulary"
     path.write_bytes(container(trie_payload(columns, record)))
     trie = TokenTrie.load(path)  # the file alone is sound: only a model can say which ids it has
-    trie.check_vocabulary(VOCAB + 1)
-    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: token id {VOCAB} is outside .* of {VOCAB}"):
+    trie.check_vocabulary(VOCAB + 2)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: token id {VOCAB + 1} is outside .* of {VOCAB}"):
         trie.check_vocabulary(VOCAB)
     built = TokenTrie(ngram_length=2)
     built.insert([7])

@@ -28,7 +28,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from .ngrams import OUTPUT, PROMPT, RECYCLED
+from .ngrams import FOLLOWED, OUTPUT, OVERRULED, PROMPT, RECYCLED
 from .recycled import rank_of
 from .tree import DraftTree
 
@@ -292,6 +292,12 @@ def _bucket(width: float) -> int:
     return int(_buckets(np.float64(width)))
 
 
+OVERRULED_PRIOR = 0.6
+"""A node the model last overruled starts at this share of its trie prior: on the recorded answers such first
+draft nodes in a ratio bin were accepted about 0.6 as often as the bin's midpoint, the model's own choice about as
+often (benchmarks/NOTES.md); 0.4-0.75 replay within a percent of each other."""
+
+
 class Calibration:
     """How often a draft node is accepted once its parent is, learned from verification.
 
@@ -300,13 +306,16 @@ class Calibration:
     trie's estimate for that edge (child count / parent count, in RATIO_BINS bins; a recycled
     node's rank among the model's next tokens), by how many tokens of the context the tree's
     root matched (1 to MATCH_BINS), by whether they continue an accepted draft token (depth
-    2 or more) or start a draft, and by whether their n-gram was seen once or more. Replayed
-    benchmark prompts show why all five (benchmarks/NOTES.md): in one ratio bin a continuation
+    2 or more) or start a draft, by whether their n-gram was seen once or more, and by what
+    the model's own output last put after their parent's token: this token, another one, or
+    nothing known (FOLLOWED, OVERRULED). Replayed benchmark prompts show why all six
+    (benchmarks/NOTES.md): in one ratio bin a continuation
     copied from the prompt is likelier accepted than one seen in earlier answers, and by how
     much varies from one data set to another (hence the per-request rates); a continuation of
     more matched tokens is likelier accepted; a node whose parent was accepted is in a run of
     copied text, far likelier accepted than the first node of a draft; and a ratio of 1 from a
-    single sighting is weaker evidence than one from several.
+    single sighting is weaker evidence than one from several; and a continuation the model
+    itself chose after that token the last time is far likelier accepted than one it did not.
 
     A cell's rate is (accepted + weight * prior) / (sent + weight): the engine's calibration
     has the trie's own estimate as prior; a request's (RequestRates) has the engine's rates
@@ -321,7 +330,9 @@ class Calibration:
     """Matched tails of 1 to MATCH_BINS - 1 tokens, one bin each, and of MATCH_BINS or more (none: as one)."""
     SEEN_BINS = 2
     """An n-gram seen once; seen more often (or not from a trie)."""
-    CELLS = SOURCES * RATIO_BINS * MATCH_BINS * 2 * SEEN_BINS
+    FOLLOW_BINS = 3
+    """Nothing known of what the model put after the parent's token; this token (FOLLOWED); another (OVERRULED)."""
+    CELLS = SOURCES * RATIO_BINS * MATCH_BINS * 2 * SEEN_BINS * FOLLOW_BINS
     HALVE_AT = 1000.0
     """Past this many observations a cell's counts are halved: the rate follows recent traffic."""
 
@@ -345,26 +356,31 @@ class Calibration:
         drafts start) matched a fresh engine's first request better, but on the recorded
         Qwen answers it kept the engine from ever trying the drafts that earlier answers
         offered (predicted speedup 1.65x -> 1.50x warm). A request that fails instead backs
-        off within a few steps (RequestRates).
+        off within a few steps (RequestRates). Only a node the model last overruled starts
+        doubted (OVERRULED_PRIOR): that is evidence, not a fresh engine's ignorance.
         """
         midpoints = (np.arange(cls.RATIO_BINS) + 0.5) / cls.RATIO_BINS
         ranks = np.arange(cls.RATIO_BINS)[::-1]  # bin RATIO_BINS - 1 is rank 0
         recycled = 0.5 / (ranks + 1)
         per_source = np.tile(midpoints, cls.SOURCES - 1)
-        return np.repeat(np.concatenate([per_source, recycled]), cls.MATCH_BINS * 2 * cls.SEEN_BINS)
+        prior = np.repeat(np.concatenate([per_source, recycled]), cls.MATCH_BINS * 2 * cls.SEEN_BINS * cls.FOLLOW_BINS)
+        prior[2 :: cls.FOLLOW_BINS] *= OVERRULED_PRIOR
+        return prior
 
     @classmethod
     def cell(cls, flags: int, ratio: float, deep: bool, matched: int, seen: int = 0) -> int:
         """The cell of a node from its source flags, count ratio (or rank), whether its parent is a draft node, how
         many tokens of the context its tree's root matched and how often its n-gram was seen (0: unknown)."""
         top = cls.RATIO_BINS - 1
+        follow = 1 if flags & FOLLOWED else 2 if flags & OVERRULED else 0
+        flags &= ~(FOLLOWED | OVERRULED)
         if flags == RECYCLED:
             place = (cls.SOURCES - 1) * cls.RATIO_BINS + top - min(rank_of(ratio), top)
         else:
             source = 0 if flags & PROMPT else 1 if flags & OUTPUT else 2
             place = source * cls.RATIO_BINS + min(int(ratio * cls.RATIO_BINS), top)
         row = (place * cls.MATCH_BINS + min(max(matched, 1), cls.MATCH_BINS) - 1) * 2 + deep
-        return row * cls.SEEN_BINS + (seen != 1)
+        return (row * cls.SEEN_BINS + (seen != 1)) * cls.FOLLOW_BINS + follow
 
     @classmethod
     def cells(cls, tree: DraftTree) -> np.ndarray:

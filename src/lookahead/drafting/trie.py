@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 import math
 import threading
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from numbers import Integral
 from os import PathLike
 from typing import Any
@@ -36,12 +36,12 @@ from ..config import (
     is_finite_number,
     is_int,
 )
-from .ngrams import CORPUS, MAX_TOKEN, OUTPUT, RECYCLED, NgramStore
+from .ngrams import CORPUS, FOLLOWED, MAX_TOKEN, OUTPUT, OVERRULED, RECYCLED, NgramStore
 from .prompt_index import PromptIndex
 from .recycled import RecycledTable, rank_ratio
 from .sources import DraftSource, StoreSource
 from .tree import DraftTree
-from .triefile import RECYCLED_COLUMN, TrieSettings, read_trie, tokenizer_fingerprint, write_trie
+from .triefile import MODEL_NEXT_COLUMN, RECYCLED_COLUMN, TrieSettings, read_trie, tokenizer_fingerprint, write_trie
 
 EdgeChance = Callable[[int, float, bool, int, int], float]
 """Chance a draft node is accepted once its parent is, from its source flags, count ratio, depth > 1, the tokens of
@@ -57,6 +57,8 @@ SCAN_CHILDREN = 16
 prompt index's most frequent; see their `children`): a node of a large trie can have
 thousands, and scanning them all made one retrieval take tens of milliseconds. On the recorded
 benchmark prompts 8, 16, 48 or all give the same tokens per step (within 0.1 %)."""
+MODEL_NEXT_MOST = 1 << 18
+"""Tokens whose model-chosen successor is kept: more than any tokenizer's vocabulary has."""
 _RESCALE_AT = 64.0
 """Weights grow as 2**(age / half_life); past 2**64 they are scaled back down together."""
 _MOST_PER_SIGHTING = 2.0 ** (_RESCALE_AT + 1)
@@ -67,13 +69,15 @@ count times this could only grow to infinity, and make the next save unreadable.
 class _Feed:
     """Incremental insertion state of one growing sequence: the n-grams that can still grow."""
 
-    __slots__ = ("length", "open_nodes", "source", "store")
+    __slots__ = ("last", "length", "open_nodes", "source", "store")
 
     def __init__(self, store: NgramStore, length: int, source: int) -> None:
         self.store = store
         self.length = length
         self.source = source
         self.open_nodes: list[int] = []
+        self.last: int | None = None
+        """The last token pushed (None: none yet)."""
 
     def push(self, tokens: Sequence[int], boundary_ids: frozenset[int], weight: float) -> None:
         """Extend every open n-gram by each token and open a new one: O(n-gram length) a token.
@@ -89,6 +93,8 @@ class _Feed:
             if token in boundary_ids:
                 nodes = []
         self.open_nodes = nodes
+        if len(tokens):
+            self.last = tokens[-1]
 
 
 def _boundary_set(boundary_ids: Iterable[int]) -> frozenset[int]:
@@ -97,6 +103,17 @@ def _boundary_set(boundary_ids: Iterable[int]) -> frozenset[int]:
     if ids is None or not all(isinstance(t, Integral) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN for t in ids):
         raise ValueError(f"boundary_ids must be token ids in [0, {MAX_TOKEN}], got {boundary_ids!r:.80}")
     return frozenset(int(t) for t in ids)
+
+
+def _model_next_from(pairs: np.ndarray) -> dict[int, int]:
+    """TokenTrie._model_next from a saved column; ValueError for anything a save could not have written."""
+    if pairs.ndim != 2 or pairs.shape[1] != 2 or pairs.dtype != np.int32:
+        raise ValueError(f"its model_next column is a {pairs.ndim}-d {pairs.dtype} array of shape {pairs.shape}")
+    if len(pairs) > MODEL_NEXT_MOST or (pairs < 0).any() or (pairs > MAX_TOKEN).any():
+        raise ValueError("its model_next column holds a token id out of range, or too many")
+    if len(np.unique(pairs[:, 0])) != len(pairs):
+        raise ValueError("its model_next column names a token twice")
+    return dict(pairs.tolist())
 
 
 def _check_tokens(tokens: Sequence[int]) -> None:
@@ -116,8 +133,11 @@ class _Expansion:
         min_score: float,
         floors: Callable[[], Sequence[float]] | None = None,
         matched: int = 0,
+        model_next: Mapping[int, int] | None = None,
     ) -> None:
         self.budget = budget
+        self.model_next = model_next or {}
+        """TokenTrie._model_next: what the model's output last had after a token, to flag children by."""
         self.floors = floors
         self.branching = branching
         self.chance = chance
@@ -161,6 +181,10 @@ class _Expansion:
                 pooled.setdefault(child, []).append((source, place, count))
                 weight[child] = weight.get(child, 0) + count
                 flags[child] = flags.get(child, 0) | flag
+        followed = self.model_next.get(token)
+        if followed is not None:  # the model's own last choice after this token confirms one child, overrules the rest
+            for child in flags:
+                flags[child] |= FOLLOWED if child == followed else OVERRULED
         keep = self.budget - len(self.tree.tokens) if self.branching else 1
         deep, chance, matched = parent > 0, self.chance, self.tree.matched
         ratios = {child: weight[child] / total for child in heapq.nlargest(keep, weight, key=weight.__getitem__)}
@@ -239,6 +263,10 @@ class TokenTrie:
         self._feeds: dict[Hashable, _Feed] = {}
         self._recycled = RecycledTable(recycled) if recycled else None
         """Each token's likeliest next tokens as the model last computed them (recycled.py); None: not kept."""
+        self._model_next: dict[int, int] = {}
+        """Each token → the token the model's output (any request's, or an answer learned whole) last had after it:
+        the model's own habit, which flags the children retrieval offers (FOLLOWED / OVERRULED); saved with the trie;
+        at most MODEL_NEXT_MOST tokens."""
         self._lock = threading.RLock()
 
     @classmethod
@@ -277,6 +305,8 @@ class TokenTrie:
             largest = int(np.frombuffer(self._shared.token, dtype=np.int32).max())
             if self._recycled is not None:
                 largest = max(largest, self._recycled.largest_token())
+            if self._model_next:
+                largest = max(largest, *self._model_next, *self._model_next.values())
         if largest >= size:
             raise ValueError(
                 f"{self.loaded_from or 'the trie'}: token id {largest} is outside the model's vocabulary of {size} "
@@ -341,6 +371,14 @@ class TokenTrie:
 
     def _learn(self, feed: _Feed, tokens: Sequence[int]) -> None:
         weight = 1.0 if self.half_life is None else 2.0 ** (self._age / self.half_life)
+        if feed.source == OUTPUT and len(tokens):
+            previous, model_next = feed.last, self._model_next
+            for token in tokens:
+                if previous is not None:
+                    model_next[previous] = token
+                previous = token
+            if len(model_next) > MODEL_NEXT_MOST:  # only ids past any vocabulary get here (a hostile answer)
+                model_next.clear()
         feed.push(tokens, self.boundary_ids, weight)
         self._age += len(tokens)
         self._learned += len(tokens)
@@ -387,7 +425,9 @@ class TokenTrie:
         candidate's ratio is its pooled count over its parent's pooled count; the product of
         ratios along a path estimates the chance the path is accepted. With a recycled table,
         every node (the root too) also offers the model's own likeliest next tokens after its
-        token (flagged RECYCLED; ratio 1 / (rank + 1) unless retrieval found it as well). Nodes
+        token (flagged RECYCLED; ratio 1 / (rank + 1) unless retrieval found it as well). Where
+        the model's output had a token after a node's token before, the child retrieval offers
+        that is that token is flagged FOLLOWED and its siblings OVERRULED. Nodes
         are taken in order of that chance, or of the product along the path of `chance(source flags,
         count ratio, parent is a draft node, tokens matched, times seen)` when the caller has learned
         better (the adaptive policy), and listed in that order with those chances, so every
@@ -409,7 +449,7 @@ class TokenTrie:
             followers = None if self._recycled is None else self._recycled.followers
             if not start and followers is None:
                 return DraftTree()
-            expand = _Expansion(budget, branching, chance, followers, min_score, floors, matched)
+            expand = _Expansion(budget, branching, chance, followers, min_score, floors, matched, self._model_next)
             return expand.best_first(start, context[-1], max_depth)
 
     @staticmethod
@@ -465,7 +505,8 @@ class TokenTrie:
     # ---- persistence ------------------------------------------------------------------
 
     def save(self, path: str | PathLike[str]) -> None:
-        """Write the shared index and the recycled table to `path` atomically (see triefile for the format)."""
+        """Write the shared index, the recycled table and what the model last chose after each token to `path`
+        atomically (see triefile for the format)."""
         with self._lock:
             settings = TrieSettings(
                 ngram_length=self.ngram_length,
@@ -480,6 +521,8 @@ class TokenTrie:
             columns = self._shared.export()
             if self._recycled is not None:
                 columns[RECYCLED_COLUMN] = self._recycled.rows
+            if self._model_next:
+                columns[MODEL_NEXT_COLUMN] = np.array(list(self._model_next.items()), dtype=np.int32)
         write_trie(path, columns, settings)
 
     @classmethod
@@ -525,5 +568,7 @@ class TokenTrie:
             if table.k != settings.recycled:
                 raise ValueError(f"its recycled table is {table.k} wide, its settings say {settings.recycled}")
             self._recycled = table
+        if MODEL_NEXT_COLUMN in columns:
+            self._model_next = _model_next_from(columns[MODEL_NEXT_COLUMN])
         self._shared, self._age, self._learned, self.tokenizer_id = store, float(age), learned, tokenizer_id
         self._rescale_if_due()

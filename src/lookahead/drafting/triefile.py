@@ -34,14 +34,17 @@ import numpy as np
 from ..config import check_recycled
 
 MAGIC = b"LKATRIE\x00"
-VERSION = 2
-"""Version 2 adds the recycled table (a 2-d column); a trie without one is written as version 1, which every
-version reads."""
-READABLE_VERSIONS = (1, 2)
+VERSION = 3
+"""Version 2 adds the recycled table (a 2-d column), version 3 what the model's output last had after each token (a
+column of pairs); a file is written at the lowest version that holds what it has, so version 1 files (neither) are
+read by every version."""
+READABLE_VERSIONS = (1, 2, 3)
 _PREFIX = struct.Struct("<8sIQ32s")
 _COLUMNS = {"token": np.int32, "parent": np.int32, "count": np.int64, "weight": np.float64, "source": np.uint8}
 RECYCLED_COLUMN = "recycled"
 """The recycled table (tokens x k, int32), present when the trie keeps one (drafting/recycled.py)."""
+MODEL_NEXT_COLUMN = "model_next"
+"""(token, the token the model's output last had after it) pairs, int32 (TokenTrie), present when any is known."""
 MAX_PAYLOAD_BYTES = 1 << 30
 """Largest payload read: 40 million nodes of 25 bytes, forty times the default budget (and about
 8 GB once loaded). A larger file is refused from its size, before any of it is read."""
@@ -85,12 +88,13 @@ def write_trie(path: str | PathLike[str], columns: dict[str, np.ndarray], settin
 
     arrays = {name: np.ascontiguousarray(columns[name], dtype=dtype) for name, dtype in _COLUMNS.items()}
     record = asdict(settings)
-    if RECYCLED_COLUMN in columns:
-        arrays[RECYCLED_COLUMN] = np.ascontiguousarray(columns[RECYCLED_COLUMN], dtype=np.int32)
-        version = VERSION
-    else:  # what version 1 holds: readers of version 1 read it
+    version = 1
+    for name, since in ((RECYCLED_COLUMN, 2), (MODEL_NEXT_COLUMN, 3)):
+        if name in columns:
+            arrays[name] = np.ascontiguousarray(columns[name], dtype=np.int32)
+            version = since
+    if RECYCLED_COLUMN not in columns:  # what version 1 holds: readers of version 1 read it
         del record["recycled"]
-        version = 1
     payload = save(arrays, metadata={"lookahead-trie": json.dumps(record)})
     target = Path(path)
     remove_stale_scratch(target)
@@ -164,11 +168,11 @@ def read_trie(path: str | PathLike[str]) -> tuple[dict[str, np.ndarray], TrieSet
     """
     try:
         with _open_regular_file(path) as file:
-            payload = _read_payload(file, path)
+            version, payload = _read_payload(file, path)
     except OSError as err:
         raise ValueError(f"{path}: cannot read the trie file ({err.strerror or err})") from err
     try:
-        return _parse(payload)
+        return _parse(payload, version)
     except ValueError as err:
         raise ValueError(f"{path}: malformed trie file ({err})") from err
 
@@ -190,8 +194,9 @@ def _open_regular_file(path: str | PathLike[str]) -> BinaryIO:
     return file
 
 
-def _read_payload(file: BinaryIO, path: str | PathLike[str]) -> bytes:
-    """The payload after the prefix, read only once its declared length matches the file's size."""
+def _read_payload(file: BinaryIO, path: str | PathLike[str]) -> tuple[int, bytes]:
+    """The file's version and the payload after the prefix, read only once its declared length matches the file's
+    size."""
     prefix = file.read(_PREFIX.size)
     if len(prefix) < _PREFIX.size or not prefix.startswith(MAGIC):
         raise ValueError(f"{path}: not a lookahead trie file (bad magic)")
@@ -208,10 +213,10 @@ def _read_payload(file: BinaryIO, path: str | PathLike[str]) -> bytes:
         raise ValueError(f"{path}: truncated trie file (it shrank while being read)")
     if hashlib.sha256(payload).digest() != digest:
         raise ValueError(f"{path}: corrupted trie file (checksum mismatch)")
-    return payload
+    return version, payload
 
 
-def _parse(payload: bytes) -> tuple[dict[str, np.ndarray], TrieSettings]:
+def _parse(payload: bytes, version: int) -> tuple[dict[str, np.ndarray], TrieSettings]:
     """Settings and columns of a payload whose checksum matched: sound or not, it is checked, not trusted."""
     from safetensors import SafetensorError
     from safetensors.numpy import load
@@ -222,8 +227,10 @@ def _parse(payload: bytes) -> tuple[dict[str, np.ndarray], TrieSettings]:
     except SafetensorError as err:
         raise ValueError(str(err)) from err
     expected = set(_COLUMNS) | ({RECYCLED_COLUMN} if settings.recycled else set())
-    if set(arrays) != expected:
-        raise ValueError(f"columns {sorted(arrays)}, expected {sorted(expected)}")
+    optional = {MODEL_NEXT_COLUMN} if version >= 3 else set()
+    if not expected <= set(arrays) <= expected | optional:
+        also = f" and maybe {MODEL_NEXT_COLUMN}" if optional else ""
+        raise ValueError(f"columns {sorted(arrays)}, expected {sorted(expected)}{also}")
     for name, dtype in _COLUMNS.items():
         column = arrays[name]
         if column.dtype != dtype or column.ndim != 1:
