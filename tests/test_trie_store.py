@@ -213,7 +213,7 @@ def test_load_of_save_drafts_the_same(tmp_path_factory, outputs, contexts):
     for context in contexts:
         a, b = trie.retrieve(context, 8, 4), loaded.retrieve(context, 8, 4)
         assert (a.tokens, a.parents, a.scores, a.sources) == (b.tokens, b.parents, b.scores, b.sources)
-    assert loaded._model_next == trie._model_next  # what the model chose after each token: the sources' flags
+    assert loaded._choices.column().tolist() == trie._choices.column().tolist()  # what the model chose: the flags
     assert (loaded.ngram_length, loaded.boundary_ids, loaded.max_nodes) == (5, frozenset([0]), 50)
     loaded.observe("x", list(range(10, 40)))  # and it goes on learning under its budget
     assert len(loaded) <= 50

@@ -28,7 +28,7 @@ MAX_TOKEN = (1 << TOKEN_BITS) - 1
 OUTPUT, CORPUS, PROMPT, RECYCLED, FOLLOWED, OVERRULED = 1, 2, 4, 8, 16, 32
 """Source flags of a node: seen in a model's output, inserted from a corpus, in the request's prompt; a draft
 node may also be RECYCLED, among the model's own likeliest next tokens (recycled.py), and FOLLOWED or OVERRULED:
-the model's output last had this token, or another, after its parent's token (TokenTrie; never trie nodes' flags)."""
+the model's output last had this token, or another, after its parent's token (choices.py; never trie nodes' flags)."""
 SOURCE_NAMES = ("model", "prompt", "answers", "corpus", "recycled")
 """What a token's source flags are called where people see them (source_name); "model": no draft, the step's own."""
 

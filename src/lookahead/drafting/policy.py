@@ -294,8 +294,8 @@ def _bucket(width: float) -> int:
 
 OVERRULED_PRIOR = 0.6
 """A node the model last overruled starts at this share of its trie prior: on the recorded answers such first
-draft nodes in a ratio bin were accepted about 0.6 as often as the bin's midpoint, the model's own choice about as
-often (benchmarks/NOTES.md); 0.4-0.75 replay within a percent of each other."""
+draft nodes of the likeliest ratio bin were accepted half to two-thirds as often as the bin's midpoint, the model's
+own choices about as often (benchmarks/NOTES.md); shares from 0.4 to 0.75 replay within a percent or two."""
 
 
 class Calibration:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 import math
 import threading
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from numbers import Integral
 from os import PathLike
 from typing import Any
@@ -36,6 +36,7 @@ from ..config import (
     is_finite_number,
     is_int,
 )
+from .choices import ModelChoices
 from .ngrams import CORPUS, FOLLOWED, MAX_TOKEN, OUTPUT, OVERRULED, RECYCLED, NgramStore
 from .prompt_index import PromptIndex
 from .recycled import RecycledTable, rank_ratio
@@ -57,8 +58,6 @@ SCAN_CHILDREN = 16
 prompt index's most frequent; see their `children`): a node of a large trie can have
 thousands, and scanning them all made one retrieval take tens of milliseconds. On the recorded
 benchmark prompts 8, 16, 48 or all give the same tokens per step (within 0.1 %)."""
-MODEL_NEXT_MOST = 1 << 18
-"""Tokens whose model-chosen successor is kept: more than any tokenizer's vocabulary has."""
 _RESCALE_AT = 64.0
 """Weights grow as 2**(age / half_life); past 2**64 they are scaled back down together."""
 _MOST_PER_SIGHTING = 2.0 ** (_RESCALE_AT + 1)
@@ -105,17 +104,6 @@ def _boundary_set(boundary_ids: Iterable[int]) -> frozenset[int]:
     return frozenset(int(t) for t in ids)
 
 
-def _model_next_from(pairs: np.ndarray) -> dict[int, int]:
-    """TokenTrie._model_next from a saved column; ValueError for anything a save could not have written."""
-    if pairs.ndim != 2 or pairs.shape[1] != 2 or pairs.dtype != np.int32:
-        raise ValueError(f"its model_next column is a {pairs.ndim}-d {pairs.dtype} array of shape {pairs.shape}")
-    if len(pairs) > MODEL_NEXT_MOST or (pairs < 0).any() or (pairs > MAX_TOKEN).any():
-        raise ValueError("its model_next column holds a token id out of range, or too many")
-    if len(np.unique(pairs[:, 0])) != len(pairs):
-        raise ValueError("its model_next column names a token twice")
-    return dict(pairs.tolist())
-
-
 def _check_tokens(tokens: Sequence[int]) -> None:
     if tokens and (min(tokens) < 0 or max(tokens) > MAX_TOKEN):
         raise ValueError(f"token ids must be in [0, {MAX_TOKEN}]")
@@ -133,11 +121,11 @@ class _Expansion:
         min_score: float,
         floors: Callable[[], Sequence[float]] | None = None,
         matched: int = 0,
-        model_next: Mapping[int, int] | None = None,
+        choices: ModelChoices | None = None,
     ) -> None:
         self.budget = budget
-        self.model_next = model_next or {}
-        """TokenTrie._model_next: what the model's output last had after a token, to flag children by."""
+        self.choices = choices
+        """What the model's output last had after each token, to flag children by (TokenTrie._choices)."""
         self.floors = floors
         self.branching = branching
         self.chance = chance
@@ -181,7 +169,7 @@ class _Expansion:
                 pooled.setdefault(child, []).append((source, place, count))
                 weight[child] = weight.get(child, 0) + count
                 flags[child] = flags.get(child, 0) | flag
-        followed = self.model_next.get(token)
+        followed = self.choices.choice(token) if self.choices is not None else None
         if followed is not None:  # the model's own last choice after this token confirms one child, overrules the rest
             for child in flags:
                 flags[child] |= FOLLOWED if child == followed else OVERRULED
@@ -263,10 +251,8 @@ class TokenTrie:
         self._feeds: dict[Hashable, _Feed] = {}
         self._recycled = RecycledTable(recycled) if recycled else None
         """Each token's likeliest next tokens as the model last computed them (recycled.py); None: not kept."""
-        self._model_next: dict[int, int] = {}
-        """Each token → the token the model's output (any request's, or an answer learned whole) last had after it:
-        the model's own habit, which flags the children retrieval offers (FOLLOWED / OVERRULED); saved with the trie;
-        at most MODEL_NEXT_MOST tokens."""
+        self._choices = ModelChoices()
+        """What the model's output last had after each token (choices.py); saved with the trie."""
         self._lock = threading.RLock()
 
     @classmethod
@@ -305,8 +291,7 @@ class TokenTrie:
             largest = int(np.frombuffer(self._shared.token, dtype=np.int32).max())
             if self._recycled is not None:
                 largest = max(largest, self._recycled.largest_token())
-            if self._model_next:
-                largest = max(largest, *self._model_next, *self._model_next.values())
+            largest = max(largest, self._choices.largest_token())
         if largest >= size:
             raise ValueError(
                 f"{self.loaded_from or 'the trie'}: token id {largest} is outside the model's vocabulary of {size} "
@@ -371,14 +356,8 @@ class TokenTrie:
 
     def _learn(self, feed: _Feed, tokens: Sequence[int]) -> None:
         weight = 1.0 if self.half_life is None else 2.0 ** (self._age / self.half_life)
-        if feed.source == OUTPUT and len(tokens):
-            previous, model_next = feed.last, self._model_next
-            for token in tokens:
-                if previous is not None:
-                    model_next[previous] = token
-                previous = token
-            if len(model_next) > MODEL_NEXT_MOST:  # only ids past any vocabulary get here (a hostile answer)
-                model_next.clear()
+        if feed.source == OUTPUT:
+            self._choices.learn(feed.last, tokens)
         feed.push(tokens, self.boundary_ids, weight)
         self._age += len(tokens)
         self._learned += len(tokens)
@@ -449,7 +428,7 @@ class TokenTrie:
             followers = None if self._recycled is None else self._recycled.followers
             if not start and followers is None:
                 return DraftTree()
-            expand = _Expansion(budget, branching, chance, followers, min_score, floors, matched, self._model_next)
+            expand = _Expansion(budget, branching, chance, followers, min_score, floors, matched, self._choices)
             return expand.best_first(start, context[-1], max_depth)
 
     @staticmethod
@@ -505,8 +484,8 @@ class TokenTrie:
     # ---- persistence ------------------------------------------------------------------
 
     def save(self, path: str | PathLike[str]) -> None:
-        """Write the shared index, the recycled table and what the model last chose after each token to `path`
-        atomically (see triefile for the format)."""
+        """Write the shared index, the recycled table and the model's choices to `path` atomically (see triefile
+        for the format)."""
         with self._lock:
             settings = TrieSettings(
                 ngram_length=self.ngram_length,
@@ -521,8 +500,8 @@ class TokenTrie:
             columns = self._shared.export()
             if self._recycled is not None:
                 columns[RECYCLED_COLUMN] = self._recycled.rows
-            if self._model_next:
-                columns[MODEL_NEXT_COLUMN] = np.array(list(self._model_next.items()), dtype=np.int32)
+            if len(self._choices):
+                columns[MODEL_NEXT_COLUMN] = self._choices.column()
         write_trie(path, columns, settings)
 
     @classmethod
@@ -569,6 +548,6 @@ class TokenTrie:
                 raise ValueError(f"its recycled table is {table.k} wide, its settings say {settings.recycled}")
             self._recycled = table
         if MODEL_NEXT_COLUMN in columns:
-            self._model_next = _model_next_from(columns[MODEL_NEXT_COLUMN])
+            self._choices = ModelChoices.from_column(columns[MODEL_NEXT_COLUMN])
         self._shared, self._age, self._learned, self.tokenizer_id = store, float(age), learned, tokenizer_id
         self._rescale_if_due()
