@@ -111,7 +111,7 @@ def test_the_models_own_last_choice_after_a_token_confirms_one_child_and_overrul
         tree = trie.retrieve([1], 8, 1, request="r")
         return {path: flags & (FOLLOWED | OVERRULED) for path, flags in zip(_paths(tree), tree.sources, strict=True)}
 
-    assert follow_flags() == {(2,): 0, (3,): 0}  # nothing known yet
+    assert follow_flags() == {(2,): 0, (3,): 0} and trie.stats()["model_choices"] == 0  # nothing known yet
     trie.observe("a", [1])
     trie.observe("a", [3])  # the pair spans two steps of one request
     assert follow_flags() == {(2,): OVERRULED, (3,): FOLLOWED}
@@ -120,6 +120,7 @@ def test_the_models_own_last_choice_after_a_token_confirms_one_child_and_overrul
     trie.observe("b", [4])
     trie.observe("b", [1, 6])  # the latest choice after 1: every other child overruled
     assert follow_flags() == {(2,): OVERRULED, (3,): OVERRULED, (6,): FOLLOWED}
+    assert trie.stats()["model_choices"] == 3  # after 1, 5 and 4
 
 
 def test_learned_chances_of_siblings_never_add_up_past_one():

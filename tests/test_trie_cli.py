@@ -40,6 +40,7 @@ def test_build_then_inspect(offline_model, tmp_path, capsys):
     assert f"nodes           {len(trie)}" in shown
     assert f"corpus {len(trie)}" in shown
     assert "recycled        none" in shown  # a corpus has no model's next tokens
+    assert "model's choices 0 tokens" in shown  # nor says what a model chose
     assert shown.count("          5  ") == 3 and '" apples in total"' in shown  # decoded, most frequent first
 
 

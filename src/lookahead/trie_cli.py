@@ -127,6 +127,7 @@ def inspect(args: argparse.Namespace) -> int:
     table = trie.recycled
     kept = "none" if table is None else f"{stats['recycled_tokens']} tokens, their {table.k} likeliest next tokens"
     print(f"recycled        {kept}")
+    print(f"model's choices {stats['model_choices']} tokens, each with the token the model last put after it")
     from . import load_model
 
     _, tokenizer = load_model(args.model)

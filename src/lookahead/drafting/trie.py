@@ -460,6 +460,7 @@ class TokenTrie:
                 "prompt_tokens": sum(len(index) for index in self._prompts.values()),
                 "prompt_bytes": sum(index.nbytes() for index in self._prompts.values()),
                 "recycled_tokens": None if self._recycled is None else len(self._recycled),
+                "model_choices": len(self._choices),
             }
 
     def sources(self) -> dict[str, int]:
