@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lookahead.drafting.ngrams import FOLLOWED, OUTPUT, OVERRULED, PROMPT
+from lookahead.drafting.ngrams import FOLLOWED, OUTPUT, OVERRULED, PROMPT, RECYCLED
 from lookahead.drafting.policy import (
     DEPTH_BINS,
     OVERRULED_PRIOR,
@@ -171,8 +171,10 @@ def test_what_the_model_last_chose_after_the_parent_is_calibrated_apart_and_an_o
     assert rates[Calibration.cells(OUTPUT_CHAIN)].tolist() == PRIOR[Calibration.cells(OUTPUT_CHAIN)].tolist()
     assert PRIOR[Calibration.cells(followed)].tolist() == PRIOR[Calibration.cells(OUTPUT_CHAIN)].tolist()
     assert np.allclose(PRIOR[Calibration.cells(overruled)], OVERRULED_PRIOR * PRIOR[Calibration.cells(OUTPUT_CHAIN)])
-    recycled = DraftTree(tokens=[5], parents=[0], ratios=[1.0], sources=[8 | FOLLOWED])
-    assert Calibration.cells(recycled)[0] == Calibration.cells(replace(recycled, sources=[8]))[0] + 1  # still recycled
+    recycled = DraftTree(tokens=[5], parents=[0], ratios=[1.0], sources=[RECYCLED | FOLLOWED])
+    assert (
+        Calibration.cells(recycled)[0] == Calibration.cells(replace(recycled, sources=[RECYCLED]))[0] + 1
+    )  # still recycled
 
 
 def test_only_nodes_whose_parent_was_accepted_are_counted():

@@ -293,9 +293,9 @@ def _bucket(width: float) -> int:
 
 
 OVERRULED_PRIOR = 0.6
-"""A node the model last overruled starts at this share of its trie prior: on the recorded answers such first
-draft nodes of the likeliest ratio bin were accepted half to two-thirds as often as the bin's midpoint, the model's
-own choices about as often (benchmarks/NOTES.md); shares from 0.4 to 0.75 replay within a percent or two."""
+"""A node the model last overruled starts at this share of its trie prior: on the recorded answers such nodes were
+accepted well under their ratio bin's midpoint and the model's own choices about at it; the replays barely move
+with this share (benchmarks/NOTES.md, "What the model chose last after the same token")."""
 
 
 class Calibration:

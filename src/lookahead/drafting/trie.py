@@ -119,9 +119,9 @@ class _Expansion:
         chance: EdgeChance | None,
         followers: Callable[[int], list[int]] | None,
         min_score: float,
-        floors: Callable[[], Sequence[float]] | None = None,
-        matched: int = 0,
-        choices: ModelChoices | None = None,
+        floors: Callable[[], Sequence[float]] | None,
+        matched: int,
+        choices: ModelChoices,
     ) -> None:
         self.budget = budget
         self.choices = choices
@@ -169,7 +169,7 @@ class _Expansion:
                 pooled.setdefault(child, []).append((source, place, count))
                 weight[child] = weight.get(child, 0) + count
                 flags[child] = flags.get(child, 0) | flag
-        followed = self.choices.choice(token) if self.choices is not None else None
+        followed = self.choices.choice(token)
         if followed is not None:  # the model's own last choice after this token confirms one child, overrules the rest
             for child in flags:
                 flags[child] |= FOLLOWED if child == followed else OVERRULED
