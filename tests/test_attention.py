@@ -87,3 +87,48 @@ def test_only_sdpa_models_with_grouped_heads_on_a_cpu_switch():
     assert grouped_attention(tiny_model("gpt2"), torch.device("cpu")) is None
     eager = tiny_model("llama", attn_implementation="eager")
     assert grouped_attention(eager, torch.device("cpu")) is None
+
+
+def _recorded_sdpa_calls(monkeypatch) -> list[tuple[int, bool]]:
+    """(query heads, enable_gqa) of each call of torch's SDPA from here on, on two threads."""
+    calls = []
+    stock = torch.nn.functional.scaled_dot_product_attention
+
+    def recorded(query, *args, **kwargs):
+        calls.append((query.shape[1], kwargs.get("enable_gqa", False)))
+        return stock(query, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    return calls
+
+
+@pytest.mark.parametrize("mask_heads", [1, 6])
+@pytest.mark.parametrize("queries", [2, 3, 5])
+def test_a_batch_block_attends_with_each_group_of_heads_as_one(monkeypatch, mask_heads, queries):
+    module = torch.nn.Module()
+    module.num_key_value_groups = 3
+    generator = torch.Generator().manual_seed(queries)
+    query = torch.randn(4, 6, queries, 16, generator=generator)
+    key, value = (torch.randn(4, 2, 23, 16, generator=generator) for _ in range(2))
+    mask = torch.randn(4, mask_heads, queries, 23, generator=generator)
+    mask[..., 17:] = -torch.inf  # each query and head sees its own columns, with its own biases
+    mask[1, :, 0, 3:] = -torch.inf
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=0.25, enable_gqa=True
+    ).transpose(1, 2)
+    calls = _recorded_sdpa_calls(monkeypatch)
+    got = attention._torch_sdpa(module, query, key, value, mask, 0.0, 0.25)
+    assert calls == [(2, False)]  # two key/value heads of three query heads each, one call, no copy of the cache
+    assert got.shape == reference.shape
+    torch.testing.assert_close(got, reference)  # the same sums, taken in another order
+
+
+def test_one_row_or_one_query_keeps_the_head_by_head_call(monkeypatch):
+    module = torch.nn.Module()
+    module.num_key_value_groups = 3
+    calls = _recorded_sdpa_calls(monkeypatch)
+    for rows, queries in ((1, 4), (8, 1)):  # one row: 2 key/value heads for 2 threads; one query: a plain step
+        query, key, value = torch.randn(rows, 6, queries, 16), torch.randn(rows, 2, 9, 16), torch.randn(rows, 2, 9, 16)
+        attention._torch_sdpa(module, query, key, value, None, 0.0, 0.25)
+    assert calls == [(6, True), (6, True)]

@@ -212,12 +212,37 @@ def _transformers_groups_in_place(key: torch.Tensor, value: torch.Tensor) -> boo
 
 
 def _torch_sdpa(module, query, key, value, mask, dropout: float, scaling: float | None) -> torch.Tensor:
-    """(batch, queries, heads, dim) of torch's SDPA, grouped heads read in place."""
-    groups = getattr(module, "num_key_value_groups", 1) > 1
+    """(batch, queries, heads, dim) of torch's SDPA, grouped heads read in place.
+
+    A block of several queries in rows of a batch is handed over with each key/value head's group of query heads as
+    one head of `groups` times the queries (`_queries_by_group`): torch's CPU kernel then reads each key/value head
+    once for the whole group, where with `enable_gqa` it works head by head, and one or a few queries a head take its
+    slow small-matrix path (benchmarks/NOTES.md). The kernel shares its work among threads by row and head, so this is
+    done only where each thread still gets two (row, key/value head) pairs or more; one query stays with `enable_gqa`
+    too: its call is a one-token step's."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1 and query.shape[2] > 1 and query.shape[0] * key.shape[1] >= 2 * torch.get_num_threads():
+        batch, heads, queries, dim = query.shape
+        output = torch.nn.functional.scaled_dot_product_attention(
+            query.reshape(batch, heads // groups, groups * queries, dim), key, value,
+            attn_mask=_queries_by_group(mask, groups, heads, queries), dropout_p=dropout, scale=scaling,
+        )  # fmt: skip
+        return output.view(batch, heads, queries, dim).transpose(1, 2)
     output = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=groups
+        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=groups > 1
     )
     return output.transpose(1, 2)
+
+
+def _queries_by_group(mask: torch.Tensor | None, groups: int, heads: int, queries: int) -> torch.Tensor | None:
+    """A (batch, 1 or heads, queries, keys) mask for queries laid out as `_torch_sdpa` lays out a group's heads:
+    (batch, 1 or key/value heads, groups x queries, keys), the group's heads one after another."""
+    if mask is None:
+        return None
+    mask = mask.expand(*mask.shape[:2], queries, mask.shape[-1])
+    if mask.shape[1] == 1:
+        return mask.repeat(1, 1, groups, 1)
+    return mask.reshape(mask.shape[0], heads // groups, groups * queries, mask.shape[-1])
 
 
 for _name, _function in (

@@ -39,8 +39,9 @@ class ModelMeter:
         if key and forward.nodewise:
             key += f"|chains=nodewise|rows<={forward.most_rows}"
         self.key = key
-        # packed passes' drafts may attend in one call with the roots (since 2026-12-06): older curves, another layout
-        self.batch_key = "|packed-one-call" if layout == "packed" else ""
+        # packed passes' drafts may attend in one call with the roots (since 2026-12-06), and a batch's blocks attend
+        # a group of query heads as one (attention._torch_sdpa, since 2026-12-07): older curves, dearer drafts
+        self.batch_key = ("|packed-one-call" if layout == "packed" else "") + "|queries-by-group"
         self.max_positions = getattr(forward.config, "max_position_embeddings", None)
 
     @contextlib.contextmanager
