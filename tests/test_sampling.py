@@ -9,7 +9,7 @@ from tiny_models import tiny_model
 
 import lookahead.backends.transformers.verifier
 from lookahead import LookaheadConfig, LookaheadEngine
-from lookahead.decoding.sampling import OccurrencePenalty, SamplingParams, TokenChooser
+from lookahead.decoding.sampling import OccurrencePenalty, SamplingParams, TokenChooser, argmaxes
 from lookahead.decoding.verify import accept
 from lookahead.drafting.tree import DraftTree
 
@@ -324,3 +324,13 @@ def test_logprobs_are_what_plain_decoding_computes(default_model, chats):
     fast, plain = engine.generate(chats[0], 32, **sampled), engine.generate(chats[0], 32, False, **sampled)
     assert fast.token_ids == plain.token_ids and all(r.top == () for r in fast.logprobs)
     assert [r.logprob for r in fast.logprobs] == pytest.approx([r.logprob for r in plain.logprobs], abs=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmaxes_are_torch_argmax_first_largest_included(dtype):
+    logits = torch.randn(5, 4099, generator=torch.Generator().manual_seed(3)).to(dtype)
+    logits[1, 7] = logits[1, 4000] = logits[1].max() + 1  # a tie: the first one counts
+    logits[2] = 0.0
+    assert argmaxes(logits) == logits.argmax(-1).tolist()
+    assert argmaxes(logits)[1:3] == [7, 0]
+    assert argmaxes(logits[3]) == logits[3].argmax().item()

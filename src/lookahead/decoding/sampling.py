@@ -207,6 +207,15 @@ def _record(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
     return TokenLogprob(token, float(logprobs[token]), pairs)
 
 
+def argmaxes(logits: torch.Tensor) -> list[int]:
+    """Each row's first largest logit's index (greedy decoding's token): on a CPU through numpy, whose argmax is
+    vectorised where torch's reads a vocabulary several times slower (a few hundred microseconds a batched step)."""
+    if logits.device.type != "cpu":
+        return logits.argmax(-1).tolist()
+    exact = logits if logits.dtype in (torch.float32, torch.float64, torch.float16) else logits.float()  # bf16: exact
+    return exact.numpy().argmax(-1).tolist()
+
+
 def likeliest(logits: torch.Tensor | np.ndarray, k: int) -> np.ndarray:
     """The ids of each row's `k` largest logits, largest first (int32 rows; what recycled drafts learn from)."""
     scores = torch.from_numpy(logits) if isinstance(logits, np.ndarray) else logits

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from ...decoding.sampling import argmaxes
 from ...drafting.tree import DraftTree
 from .capability import Layout
 from .forward import ModelForward
@@ -59,7 +60,7 @@ class ModelMeter:
                 block = _tokens(width, vocab)  # as wide as asked, whatever the context's length
                 draft = DraftTree.chain(block[1:])  # as drafts run (node by node, where they do)
                 logits = forward.rows(cache, [block] * rows, [draft] * rows, [context] * rows, tree_masks)
-                [row.argmax(-1).tolist() for row in logits]  # as a step: waits for the device
+                [argmaxes(row) for row in logits]  # as a step: waits for the device
                 if not packed:
                     cache.crop(-width)  # the context stays the same for every measurement
 

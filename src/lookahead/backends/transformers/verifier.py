@@ -21,7 +21,7 @@ import torch
 
 from ...decoding.backend import DraftMode
 from ...decoding.generation import Generation
-from ...decoding.sampling import likeliest
+from ...decoding.sampling import argmaxes, likeliest
 from ...decoding.step import Verdict
 from ...decoding.verify import accept, accept_greedy, chooser_of, node_choice
 from ...drafting.tree import DraftTree
@@ -143,7 +143,7 @@ class ModelVerifier:
         logits = self.forward.rows(batch.cache, blocks, trees, batch.lengths, tree_masks=self.mode == "tree")
         tock = time.perf_counter()
         choosers = [chooser_of(generation) for generation in rows]
-        argmax = [row.argmax(-1).tolist() for row in logits] if any(c.plain_argmax for c in choosers) else None
+        argmax = [argmaxes(row) for row in logits] if any(c.plain_argmax for c in choosers) else None
         kept = []
         for row, (generation, tree, chooser) in enumerate(zip(rows, trees, choosers, strict=True)):
             if chooser.plain_argmax:
