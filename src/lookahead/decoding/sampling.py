@@ -209,7 +209,7 @@ def _record(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
 
 def argmaxes(logits: torch.Tensor) -> list[int]:
     """Each row's first largest logit's index (greedy decoding's token): on a CPU through numpy, whose argmax is
-    vectorised where torch's reads a vocabulary several times slower (a few hundred microseconds a batched step)."""
+    vectorised where torch's reads a vocabulary several times slower (benchmarks/NOTES.md)."""
     if logits.device.type != "cpu":
         return logits.argmax(-1).tolist()
     exact = logits if logits.dtype in (torch.float32, torch.float64, torch.float16) else logits.float()  # bf16: exact

@@ -22,9 +22,10 @@ from .slab import Draft, OneCall, Packing
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """input_ids (B, Q), attention_mask (2-D or 4-D), position_ids (B, Q)."""
-ONE_CALL_KEYS = 1_500
+ONE_CALL_KEYS = 4_000
 """Padded queries x keys that one attention call saved is worth, where blocks are 3 or more tokens wide (a packed
-batch's drafts in one call with its roots, OneCall; benchmarks/NOTES.md has the passes it was fitted to)."""
+batch's drafts in one call with its roots, OneCall; benchmarks/NOTES.md has the passes it was fitted to, again since a
+batch's blocks attend a group of query heads as one, which made padded queries cheaper)."""
 
 
 def tree_mask(tree: DraftTree, past: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
