@@ -11,8 +11,8 @@ Only the model's output teaches it (any request's answer, an answer learned from
 never a prompt or a corpus: they say what text holds, not what the model chooses. Bounded:
 past `most` tokens it forgets the one chosen after longest ago. Not a one-wide RecycledTable:
 that table exists only where the verifier hands over its top tokens (recycled drafts on), and
-its numpy update costs tens of microseconds a call where this dict's costs a few, every row of
-every step.
+its numpy update costs several times this dict's a call, and this one runs for every row of every
+step.
 
 Worked example: after outputs "a b c" and then "x b d", `choice("b")` is "d" (the latest),
 `choice("a")` is "b", and `choice("d")` is None (nothing came after it yet).

@@ -4,10 +4,10 @@ transformers' SDPA attention, given a mask and more than one query token, repeat
 key/value head for its group of query heads (`repeat_kv`) before calling torch: on a model
 with grouped-query attention that copies the whole cache of every layer, every step. A
 verification block always has a mask and several tokens, so on a CPU the copy made a draft
-grow dearer with the context: Qwen2.5-0.5B (14 query heads, 2 key/value heads) after 4k
-cached tokens, 2 tokens cost 1.7x one (328 against 191 ms; one layer: 6.2 ms repeated, 0.8 ms
-grouped) and 1.0x read grouped. torch's SDPA takes the groups itself (`enable_gqa`), with the
-mask, on the CPU, and gives the same bits. transformers keeps the copy on other devices
+grow dearer with the context, most on models with few key/value heads (benchmarks/NOTES.md,
+"Verification blocks read grouped key/value heads in place"). torch's SDPA takes the groups
+itself (`enable_gqa`), with the mask, on the CPU, and gives the same bits; in rows of a batch
+this module hands it each group as one head instead (`_torch_sdpa`). transformers keeps the copy on other devices
 (there a mask with `enable_gqa` falls back to the slow kernel), and so do we.
 
 The grouped function is registered in transformers' attention registry under
@@ -219,7 +219,8 @@ def _torch_sdpa(module, query, key, value, mask, dropout: float, scaling: float 
     once for the whole group, where with `enable_gqa` it works head by head, and one or a few queries a head take its
     slow small-matrix path (benchmarks/NOTES.md). The kernel shares its work among threads by row and head, so this is
     done only where each thread still gets two (row, key/value head) pairs or more; one query stays with `enable_gqa`
-    too: its call is a one-token step's."""
+    too: its call is a one-token step's. A block of two or three queries a head may round otherwise in the last bits
+    than head by head, as a block already does against its one-token steps (exactness is of tokens: the tests)."""
     groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1 and query.shape[2] > 1 and query.shape[0] * key.shape[1] >= 2 * torch.get_num_threads():
         batch, heads, queries, dim = query.shape
