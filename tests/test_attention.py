@@ -4,9 +4,11 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from lookahead.backends.transformers import attention
+from lookahead import LookaheadEngine
+from lookahead.backends.transformers import attention, kernels
 from lookahead.backends.transformers.attention import GROUPED_SDPA, attention_as, grouped_attention
 from lookahead.backends.transformers.forward import ModelForward
+from lookahead.decoding.costs import cache_path, read_cache
 from lookahead.drafting.tree import DraftTree
 
 PAST = 40
@@ -132,3 +134,64 @@ def test_one_row_or_one_query_keeps_the_head_by_head_call(monkeypatch):
         query, key, value = torch.randn(rows, 6, queries, 16), torch.randn(rows, 2, 9, 16), torch.randn(rows, 2, 9, 16)
         attention._torch_sdpa(module, query, key, value, None, 0.0, 0.25)
     assert calls == [(6, True), (6, True)]
+
+
+def test_a_pass_said_head_by_head_keeps_the_head_by_head_call(monkeypatch):
+    module = torch.nn.Module()
+    module.num_key_value_groups = 3
+    calls = _recorded_sdpa_calls(monkeypatch)
+    query, key, value = torch.randn(4, 6, 3, 16), torch.randn(4, 2, 9, 16), torch.randn(4, 2, 9, 16)
+    with attention_as(tiny_model("llama"), None, groups_as_heads=False):  # measured slower here (kernels.py)
+        attention._torch_sdpa(module, query, key, value, None, 0.0, 0.25)
+    attention._torch_sdpa(module, query, key, value, None, 0.0, 0.25)  # the pass is over: grouped again
+    assert calls == [(6, True), (2, False)]
+
+
+def _named_tiny_llama(name: str) -> torch.nn.Module:
+    model = tiny_model("llama")
+    model.config._name_or_path = name  # a model without a name is measured every time
+    return model
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_how_a_batch_attends_grouped_heads_is_measured_once_and_kept(monkeypatch, tmp_path):
+    class Quiet:  # a verdict measured on a busy machine is not kept: this one was quiet
+        def quiet(self) -> bool:
+            return True
+
+    monkeypatch.setenv("LOOKAHEAD_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "OthersLoad", Quiet)
+    timed = []
+
+    def head_by_head_faster(forward, layout, rows):
+        timed.append((layout, rows))
+        return {"group": {2: 11.0, 4: 14.0}, "head": {2: 10.0, 4: 14.5}}
+
+    monkeypatch.setattr(kernels, "time_grouping", head_by_head_faster)
+    model = _named_tiny_llama("tiny-llama-for-grouping")
+    engines = [LookaheadEngine(model, None), LookaheadEngine(model, None)]
+    engines.append(LookaheadEngine(_named_tiny_llama(model.config.name_or_path), None))
+    for engine in engines:  # another engine on the model; a restart (the cache file)
+        engine.batch(40)
+        assert engine.backend.forward.groups_as_heads is False
+        assert engine.backend.meter(batched=True).batch_key.endswith("|queries-by-head"), "curves of its own"
+    assert timed == [("packed", kernels.GROUPING_MOST_ROWS)]
+    [entry] = [entry for name, entry in read_cache(cache_path()).items() if "|groups-as-heads|" in name]
+    assert entry["groups_as_heads"] is False and entry["ms"]["head"]["2"] == 10.0
+    faster = _named_tiny_llama("tiny-llama-for-grouping-2")
+    monkeypatch.setattr(kernels, "time_grouping", lambda *args: {"group": {2: 9.0, 4: 9.0}, "head": {2: 9.5, 4: 9.5}})
+    grouped = LookaheadEngine(faster, None)
+    grouped.batch(4)
+    assert grouped.backend.forward.groups_as_heads is True
+    assert grouped.backend.meter(batched=True).batch_key.endswith("|queries-by-group")
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_grouping_is_timed_on_real_batched_passes_both_ways():
+    forward = ModelForward(tiny_model("llama"))
+    times = kernels.time_grouping(forward, "packed", 3)
+    assert set(times) == {"group", "head"}
+    assert all(
+        set(by_width) == set(kernels.GROUPING_WIDTHS) and min(by_width.values()) > 0 for by_width in times.values()
+    )
+    assert forward.groups_as_heads is True, "left as it was"

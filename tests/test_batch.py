@@ -8,6 +8,7 @@ from conftest import hf_greedy
 from tiny_models import FAMILIES, tiny_model
 
 from lookahead import LookaheadConfig, LookaheadEngine
+from lookahead.backends.transformers import backend
 from lookahead.backends.transformers.verifier import PROMPT_PIECE
 
 tiny = pytest.mark.usefixtures("one_thread")
@@ -50,6 +51,22 @@ def test_batched_rows_equal_each_request_alone(family, tokenizer):
     plain = engine.generate_batch(prompts, lengths, max_batch=4, use_lookahead=False)
     assert [out.token_ids for out in plain] == alone
     assert engine.trie.stats()["live_requests"] == 0
+
+
+@tiny
+@pytest.mark.parametrize("grouped", [True, False])
+def test_rows_equal_each_request_alone_with_grouped_heads_attended_either_way(grouped, tokenizer, monkeypatch):
+    """Which way a batch's blocks attend groups of query heads is measured per machine (kernels.groups_as_heads)."""
+    monkeypatch.setattr(backend, "groups_as_heads", lambda *args: grouped)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # rows x key/value heads enough to group on any machine
+    engine = _engine("qwen2", tokenizer)
+    prompts = _prompts(4, seed=7)
+    lengths = [20, 12, 26, 16]
+    alone = [hf_greedy(engine.model, ids, n) for ids, n in zip(prompts, lengths, strict=True)]
+    outs = engine.generate_batch(prompts, lengths, max_batch=4)
+    assert engine.backend.forward.groups_as_heads is grouped
+    assert [out.token_ids for out in outs] == alone
+    assert sum(out.stats.draft_tokens for out in outs) > 0
 
 
 # sliding windows of 12 tokens: Gemma 3 with one layer of each kind, Mistral and Qwen2 with every layer sliding

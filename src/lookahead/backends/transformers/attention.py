@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 
 import torch
 from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
@@ -46,6 +47,10 @@ _GQA_RULE_TAKES_VALUE = (
 GROUPED_SDPA = "lookahead_grouped_sdpa"
 PACKED_SDPA = "lookahead_packed_sdpa"
 NODEWISE_SDPA = "lookahead_nodewise_sdpa"
+
+_GROUPS_AS_HEADS: ContextVar[bool] = ContextVar("lookahead_groups_as_heads", default=True)
+"""Whether a batch's blocks attend each group of query heads as one head in the pass now running (`_torch_sdpa`;
+set by `attention_as` from ModelForward.groups_as_heads, which kernels.groups_as_heads measures)."""
 
 
 def grouped_sdpa_forward(
@@ -220,9 +225,12 @@ def _torch_sdpa(module, query, key, value, mask, dropout: float, scaling: float 
     slow small-matrix path (benchmarks/NOTES.md). The kernel shares its work among threads by row and head, so this is
     done only where each thread still gets two (row, key/value head) pairs or more; one query stays with `enable_gqa`
     too: its call is a one-token step's. A block of two or three queries a head may round otherwise in the last bits
-    than head by head, as a block already does against its one-token steps (exactness is of tokens: the tests)."""
+    than head by head, as a block already does against its one-token steps (exactness is of tokens: the tests).
+    Where laying the queries and mask out so costs more than the kernel saves (measured: kernels.groups_as_heads),
+    the pass says so (`attention_as`) and every call is head by head."""
     groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1 and query.shape[2] > 1 and query.shape[0] * key.shape[1] >= 2 * torch.get_num_threads():
+    by_group = groups > 1 and query.shape[2] > 1 and _GROUPS_AS_HEADS.get()
+    if by_group and query.shape[0] * key.shape[1] >= 2 * torch.get_num_threads():
         batch, heads, queries, dim = query.shape
         output = torch.nn.functional.scaled_dot_product_attention(
             query.reshape(batch, heads // groups, groups * queries, dim), key, value,
@@ -264,12 +272,12 @@ def grouped_attention(model: PreTrainedModel, device: torch.device) -> str | Non
 
 
 @contextlib.contextmanager
-def attention_as(model: PreTrainedModel, implementation: str | None) -> Iterator[None]:
-    """Within: the model's SDPA attention (its config's and sub-configs') is `implementation`; None changes nothing."""
-    if implementation is None:
-        yield
-        return
-    switched = [config for config in _configs(model.config) if config._attn_implementation_internal == "sdpa"]
+def attention_as(model: PreTrainedModel, implementation: str | None, groups_as_heads: bool = True) -> Iterator[None]:
+    """Within: the model's SDPA attention (its config's and sub-configs') is `implementation` (None changes nothing),
+    and a batch's blocks attend each group of query heads as one head only if `groups_as_heads` (`_torch_sdpa`)."""
+    grouping = _GROUPS_AS_HEADS.set(groups_as_heads)
+    configs = () if implementation is None else _configs(model.config)
+    switched = [config for config in configs if config._attn_implementation_internal == "sdpa"]
     for config in switched:
         config._attn_implementation_internal = implementation
     try:
@@ -277,6 +285,7 @@ def attention_as(model: PreTrainedModel, implementation: str | None) -> Iterator
     finally:
         for config in switched:
             config._attn_implementation_internal = "sdpa"
+        _GROUPS_AS_HEADS.reset(grouping)
 
 
 def _configs(config: PretrainedConfig) -> Iterator[PretrainedConfig]:

@@ -20,7 +20,7 @@ from .capability import (
 )
 from .costs import ModelMeter
 from .forward import ModelForward
-from .kernels import DRAFT_WIDTHS, packed_candidate, packed_from
+from .kernels import DRAFT_WIDTHS, groups_as_heads, packed_candidate, packed_from
 from .verifier import ModelVerifier
 
 # Generation-config settings that change which token greedy `generate()` picks; the engine applies
@@ -85,11 +85,14 @@ class TransformersBackend:
         return self.forward.device
 
     def enable_batching(self, max_batch: int) -> bool:
-        """Once: probe whether rows of different lengths verify together exactly, and in which layout."""
+        """Once: probe whether rows of different lengths verify together exactly, and in which layout; where they do,
+        and the model has groups of query heads, how a batch's blocks attend them fastest (kernels.groups_as_heads)."""
         with self._batching_lock:
             if not self._batching_probed:
                 self._batching_probed = True
-                self.verifier.layout = probe_batching(self.forward, self._tolerant_mode)
+                self.verifier.layout = layout = probe_batching(self.forward, self._tolerant_mode)
+                if layout is not None and self.forward.attention is not None and max_batch > 1:
+                    self.forward.groups_as_heads = groups_as_heads(self.forward, layout, max_batch)
         return self.verifier.layout == "packed"
 
     def meter(self, batched: bool = False) -> ModelMeter:

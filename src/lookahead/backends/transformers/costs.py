@@ -41,8 +41,9 @@ class ModelMeter:
             key += f"|chains=nodewise|rows<={forward.most_rows}"
         self.key = key
         # packed passes' drafts may attend in one call with the roots (since 2026-12-06), and a batch's blocks attend
-        # a group of query heads as one (attention._torch_sdpa, since 2026-12-07): older curves, dearer drafts
-        self.batch_key = ("|packed-one-call" if layout == "packed" else "") + "|queries-by-group"
+        # a group of query heads as one (attention._torch_sdpa, since 2026-12-07) where that was measured faster
+        grouping = "|queries-by-group" if forward.groups_as_heads else "|queries-by-head"
+        self.batch_key = ("|packed-one-call" if layout == "packed" else "") + grouping
         self.max_positions = getattr(forward.config, "max_position_embeddings", None)
 
     @contextlib.contextmanager

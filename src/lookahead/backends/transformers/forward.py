@@ -50,6 +50,9 @@ class ModelForward:
         self.one_call = True
         """A packed pass may attend every row's block in one padded call where that is cheaper (masks.packed_inputs);
         False: drafts always in calls of their own (the start-up probes check both ways)."""
+        self.groups_as_heads = True
+        """A batch's blocks of several queries attend each group of query heads as one head (attention._torch_sdpa);
+        False where that was measured slower (kernels.groups_as_heads)."""
         self.decoder: DirectDecoder | None = None
         """The model's layers run as one loop (decoder.py), where found to give its logits bit for bit
         (capability.check_direct_decoder); None: through the model's forward."""
@@ -92,7 +95,7 @@ class ModelForward:
                 raise ValueError("drafts verified token by token must be chains")
             attention = NODEWISE_SDPA
         linears, most_rows = self._linears(ids.numel()), self._most_rows(trees)
-        with self._lock, attention_as(self.model, attention), packed_as(linears, most_rows):
+        with self._lock, attention_as(self.model, attention, self.groups_as_heads), packed_as(linears, most_rows):
             logits = self._logits(ids, mask, positions, cache, last_only, linears, most_rows)
         return logits[:, -1:] if last_only else logits
 
@@ -112,7 +115,7 @@ class ModelForward:
         cache.packing = packing
         try:
             linears, most_rows = self._linears(ids.numel()), self._most_rows(trees)
-            with self._lock, attention_as(self.model, PACKED_SDPA), packed_as(linears, most_rows):
+            with self._lock, attention_as(self.model, PACKED_SDPA, self.groups_as_heads), packed_as(linears, most_rows):
                 logits = self._logits(
                     ids, mask, positions, cache, False, linears, most_rows, lookahead_packing=packing
                 )[0]

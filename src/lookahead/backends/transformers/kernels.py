@@ -1,20 +1,27 @@
-"""Which linear layers the engine's passes run: the model's own, or packed ones (linears.py) where they are faster.
+"""Which kernels the engine's passes run where that differs by machine: measured once per model and machine.
 
-`auto` decides by measurement, once per model and machine: whole passes of a few widths,
-the two kinds taking turns, fastest of each. Where the model's own layers win the narrow passes
-and packed ones the wider (a BLAS with a fast one-row path, slow for a few rows), passes are
-routed by their number of tokens: from the narrowest measured width packed layers win, and win
-at every wider one, the packed layers; below it, the model's. The verdict is kept in the cost
-cache beside the curves (one measured while the rest of the machine was busy is not) and with
-the model's packed layers, so later engines on the same model in this process do not measure
-again.
+Linear layers: the model's own, or packed ones (linears.py) where they are faster. `auto`
+decides by whole passes of a few widths, the two kinds taking turns, fastest of each. Where the
+model's own layers win the narrow passes and packed ones the wider (a BLAS with a fast one-row
+path, slow for a few rows), passes are routed by their number of tokens: from the narrowest
+measured width packed layers win, and win at every wider one, the packed layers; below it, the
+model's. The verdict is also kept with the model's packed layers, so later engines on the same
+model in this process do not measure again.
+
+Grouped heads: whether a batch's blocks attend each group of query heads as one head
+(attention._torch_sdpa). Some CPUs' attention kernels work much faster so; on others laying the
+queries and masks out costs what the kernel saves. Whole batched passes, both ways taking turns.
+
+Each verdict is kept in the cost cache beside the curves (one measured while the rest of the
+machine was busy is not, and is measured again at the next start).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -22,6 +29,7 @@ from ...config import LINEARS
 from ...decoding.costs import cache_path, read_cache, write_cache
 from ...decoding.load import OthersLoad
 from ...drafting.policy import BASE_CONTEXT
+from .capability import Layout
 from .costs import ModelMeter, runtime_key
 from .forward import ModelForward
 from .linears import PackedLinears, available, packed_linears
@@ -29,6 +37,13 @@ from .linears import PackedLinears, available, packed_linears
 DRAFT_WIDTHS = (1, 2, 4, 8)
 """Pass widths the choice is timed at where the model verifies drafts: a plain step and the drafts a CPU sends."""
 CHOICE_REPEATS = 3
+GROUPING_WIDTHS = (2, 4)
+"""Pass widths the grouped-heads choice is timed at: one draft node a row (the commonest drafting pass) and three."""
+GROUPING_REPEATS = 5
+GROUPING_MOST_ROWS = 16
+"""Rows of the batched passes the grouped-heads choice is timed on, at most (a wider batch is timed at this)."""
+_GROUPING_VERDICTS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, bool]] = weakref.WeakKeyDictionary()
+"""groups_as_heads' verdicts in this process, per model, so later engines on it do not read the cache again."""
 log = logging.getLogger("lookahead.kernels")
 
 
@@ -61,21 +76,72 @@ def packed_from(forward: ModelForward, packed: PackedLinears, widths: Sequence[i
 
 
 def _verdict(forward: ModelForward, packed: PackedLinears, widths: Sequence[int], name: str | None) -> int | None:
-    """`packed_from`'s answer: from the cache entry `name`, else measured (and kept there if the machine was quiet;
-    with `name` None, not kept). An entry of older code, or not one of `widths` or None, is measured again."""
+    """`packed_from`'s answer: from the cache entry `name`, else measured. An entry of older code, or not one of
+    `widths` or None, is measured again."""
+
+    def measure() -> tuple[int | None, dict]:
+        times = time_both(forward, packed, widths)
+        return packed_wins_from(times["packed"], times["model"]), times
+
+    def valid(width: object) -> bool:
+        return width is None or (type(width) is int and width in widths)
+
+    return _cached_verdict(name, "packed_from", valid, measure)
+
+
+def _cached_verdict(name: str | None, field: str, valid: Callable[[object], bool], measure: Callable[[], tuple]):
+    """The verdict `field` of the cache entry `name` where `valid`, else `measure()`'s (verdict, times), kept under
+    `name` if the rest of the machine was quiet meanwhile (with `name` None: measured, not kept)."""
     cached = read_cache(cache_path()).get(name) if name else None
-    if isinstance(cached, dict) and "packed_from" in cached:
-        width = cached["packed_from"]
-        if width is None or (type(width) is int and width in widths):
-            return width
+    if isinstance(cached, dict) and field in cached and valid(cached[field]):
+        return cached[field]
     load = OthersLoad()
-    times = time_both(forward, packed, widths)
-    verdict = packed_wins_from(times["packed"], times["model"])
+    verdict, times = measure()
     if name and load.quiet():
         entries = read_cache(cache_path())
-        entries[name] = {"packed_from": verdict, "ms": times, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        entries[name] = {field: verdict, "ms": times, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         write_cache(cache_path(), entries)
     return verdict
+
+
+def groups_as_heads(forward: ModelForward, layout: Layout, rows: int) -> bool:
+    """Whether a batch's blocks attend faster with each group of query heads as one head (attention._torch_sdpa) than
+    head by head: batched passes of `rows` rows (at most GROUPING_MOST_ROWS) in `layout`, timed both ways."""
+    rows = min(rows, GROUPING_MOST_ROWS)
+    key = runtime_key(forward)
+    name = f"{key}|groups-as-heads|{layout}|rows={rows}|torch={torch.__version__}" if key else None
+    # in this process, with dtype and threads said even where the key is empty (a model may change dtype)
+    remembered = f"{key}|{forward.model.dtype}|threads={torch.get_num_threads()}|{layout}|rows={rows}"
+    verdicts = _GROUPING_VERDICTS.setdefault(forward.model, {})
+
+    def measure() -> tuple[bool, dict]:
+        times = time_grouping(forward, layout, rows)
+        return sum(times["group"].values()) < sum(times["head"].values()), times
+
+    if remembered not in verdicts:
+        verdicts[remembered] = _cached_verdict(name, "groups_as_heads", lambda v: type(v) is bool, measure)
+    return verdicts[remembered]
+
+
+def time_grouping(forward: ModelForward, layout: Layout, rows: int) -> dict[str, dict[int, float]]:
+    """Milliseconds of the fastest of GROUPING_REPEATS passes of `rows` rows of each of GROUPING_WIDTHS tokens after
+    BASE_CONTEXT cached ones, with each group of query heads as one head ("group") and head by head ("head"): widths
+    and ways taking turns, pass by pass."""
+    ways = {"group": True, "head": False}
+    times: dict[str, dict[int, list[float]]] = {way: {width: [] for width in GROUPING_WIDTHS} for way in ways}
+    chosen = forward.groups_as_heads
+    try:
+        with ModelMeter(forward, layout).passes(rows, BASE_CONTEXT) as run:
+            for _ in range(GROUPING_REPEATS):
+                for width in GROUPING_WIDTHS:
+                    for way, grouped in ways.items():
+                        forward.groups_as_heads = grouped
+                        clock = time.perf_counter()
+                        run(width)
+                        times[way][width].append((time.perf_counter() - clock) * 1000)
+    finally:
+        forward.groups_as_heads = chosen
+    return {way: {width: round(min(runs), 3) for width, runs in by_width.items()} for way, by_width in times.items()}
 
 
 def packed_wins_from(packed: dict[int, float], model: dict[int, float]) -> int | None:
