@@ -81,6 +81,16 @@ def test_one_call_is_left_where_its_padding_would_cost_more_than_the_calls_it_sa
     assert asked.one_call is None and len(asked.drafts) == 2
 
 
+def test_what_one_call_is_worth_follows_how_the_pass_attends_grouped_heads():
+    chain = DraftTree([7, 8, 9], [0, 1, 2])
+    blocks, trees = [[1, 7, 8, 9], [2, 7, 8, 9]] + [[3 + row] for row in range(6)], [chain] * 2 + [None] * 6
+    # 18 padded queries x 304 columns for the 2 calls one call saves: 2,736 a call saved
+    _, _, grouped = packed_inputs(blocks, trees, [300] * 8, torch.float32, "cpu")
+    _, _, by_head = packed_inputs(blocks, trees, [300] * 8, torch.float32, "cpu", groups_as_heads=False)
+    assert grouped.one_call is not None, "padded queries are cheap where a group of heads attends as one"
+    assert by_head.one_call is None and len(by_head.drafts) == 2
+
+
 def test_drafting_rows_far_shorter_than_the_longest_keep_their_own_calls():
     chain = DraftTree([7, 8, 9], [0, 1, 2])
     blocks, trees = [[1, 7, 8, 9], [2, 7, 8, 9], [3, 7, 8, 9]], [chain] * 3  # as wide as each other: no padding

@@ -109,7 +109,7 @@ class ModelForward:
         cache.reserve([len(block) for block in blocks])
         ids, positions, packing = packed_inputs(
             blocks, trees, lengths, self.model.dtype, self.device, cache.window, cache.sliding_layers, self.nodewise,
-            one_call=self.one_call,
+            one_call=self.one_call, groups_as_heads=self.groups_as_heads,
         )  # fmt: skip
         mask = packing.root_mask  # what the model's mask preparation passes through; attention reads the packing
         cache.packing = packing

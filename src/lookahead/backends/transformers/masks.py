@@ -22,10 +22,11 @@ from .slab import Draft, OneCall, Packing
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """input_ids (B, Q), attention_mask (2-D or 4-D), position_ids (B, Q)."""
-ONE_CALL_KEYS = 4_000
+ONE_CALL_KEYS = {True: 4_000, False: 1_500}
 """Padded queries x keys that one attention call saved is worth, where blocks are 3 or more tokens wide (a packed
-batch's drafts in one call with its roots, OneCall; benchmarks/NOTES.md has the passes it was fitted to, again since a
-batch's blocks attend a group of query heads as one, which made padded queries cheaper)."""
+batch's drafts in one call with its roots, OneCall), by whether the pass attends each group of query heads as one head
+(attention._torch_sdpa, where measured faster), which makes padded queries cheaper; benchmarks/NOTES.md has the passes
+each was fitted to."""
 
 
 def tree_mask(tree: DraftTree, past: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -106,6 +107,7 @@ def packed_inputs(
     sliding_layers: frozenset[int] = frozenset(),
     nodewise: bool = False,
     one_call: bool = True,
+    groups_as_heads: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, Packing]:
     """input_ids and position_ids (1, T) of the rows' blocks packed, each after its row's `lengths[b]` entries.
 
@@ -115,7 +117,8 @@ def packed_inputs(
     a sliding `window`, the same masks again for `sliding_layers`, each query seeing only the
     keys fewer than `window` positions before its own (a row's entry at column c has position c).
     `nodewise` (chains only): every token reads its row's entries up to its own, on its own (Packing.token_reads).
-    `one_call`: drafts may attend in one padded call with the roots where that is cheaper (Packing.one_call).
+    `one_call`: drafts may attend in one padded call with the roots where that is cheaper (Packing.one_call; how much
+    cheaper depends on `groups_as_heads`, the way the pass attends grouped query heads).
     """
     ids = torch.tensor([[token for block in blocks for token in block]], dtype=torch.long, device=device)
     depths, rows, columns, roots, drafts, seen_by_nodes = [], [], [], [], [], []
@@ -155,22 +158,23 @@ def packed_inputs(
         reads = tuple((row, column + 1) for row, column in zip(rows, columns, strict=True))
     together = None
     sizes = [len(block) for block in blocks]
-    if one_call and drafts and window is None and not nodewise and _one_call_pays(sizes, lengths, end):
+    keys_a_call = ONE_CALL_KEYS[groups_as_heads]
+    if one_call and drafts and window is None and not nodewise and _one_call_pays(sizes, lengths, end, keys_a_call):
         together = _one_call(sizes, roots, seen.numpy(), drafts, seen_by_nodes, dtype, device)
     packing = Packing(*as_tensors, root_mask, tuple(drafts), end, window_root_mask, sliding, reads, together)
     return ids, torch.tensor([depths], dtype=torch.long, device=device), packing
 
 
-def _one_call_pays(sizes: Sequence[int], lengths: Sequence[int], end: int) -> bool:
+def _one_call_pays(sizes: Sequence[int], lengths: Sequence[int], end: int, keys_a_call: int) -> bool:
     """Whether the rows' blocks padded to the widest cost less in one attention call (every query over all `end`
     columns) than the roots' call and one call per drafting row (its nodes over its own row's columns). Measured on a
     CPU (other devices take the same rule, unmeasured): blocks of at most two tokens always do (a second query a row
     costs torch's attention next to nothing); wider ones where the reads one call adds — padded queries', and
-    drafting rows' nodes past their own row's columns — are at most ONE_CALL_KEYS for each call saved."""
+    drafting rows' nodes past their own row's columns — are at most `keys_a_call` for each call saved."""
     width = max(sizes)
     padding = len(sizes) * width - sum(sizes)
     beyond = sum((size - 1) * (end - length - size) for size, length in zip(sizes, lengths, strict=True) if size > 1)
-    return width <= 2 or padding * end + beyond <= ONE_CALL_KEYS * sum(size > 1 for size in sizes)
+    return width <= 2 or padding * end + beyond <= keys_a_call * sum(size > 1 for size in sizes)
 
 
 def _one_call(
