@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tiny_models import tiny_model
+from tiny_models import named_tiny_llama, tiny_model
 
 from lookahead import LookaheadEngine
 from lookahead.backends.transformers import attention, kernels
@@ -147,12 +147,6 @@ def test_a_pass_said_head_by_head_keeps_the_head_by_head_call(monkeypatch):
     assert calls == [(6, True), (2, False)]
 
 
-def _named_tiny_llama(name: str) -> torch.nn.Module:
-    model = tiny_model("llama")
-    model.config._name_or_path = name  # a model without a name is measured every time
-    return model
-
-
 @pytest.mark.usefixtures("one_thread")
 def test_how_a_batch_attends_grouped_heads_is_measured_once_and_kept(monkeypatch, tmp_path):
     class Quiet:  # a verdict measured on a busy machine is not kept: this one was quiet
@@ -168,9 +162,9 @@ def test_how_a_batch_attends_grouped_heads_is_measured_once_and_kept(monkeypatch
         return {"group": {2: 11.0, 4: 14.0}, "head": {2: 10.0, 4: 14.5}}
 
     monkeypatch.setattr(kernels, "time_grouping", head_by_head_faster)
-    model = _named_tiny_llama("tiny-llama-for-grouping")
+    model = named_tiny_llama("tiny-llama-for-grouping")
     engines = [LookaheadEngine(model, None), LookaheadEngine(model, None)]
-    engines.append(LookaheadEngine(_named_tiny_llama(model.config.name_or_path), None))
+    engines.append(LookaheadEngine(named_tiny_llama(model.config.name_or_path), None))
     for engine in engines:  # another engine on the model; a restart (the cache file)
         engine.batch(40)
         assert engine.backend.forward.groups_as_heads is False
@@ -178,7 +172,7 @@ def test_how_a_batch_attends_grouped_heads_is_measured_once_and_kept(monkeypatch
     assert timed == [("packed", kernels.GROUPING_MOST_ROWS)]
     [entry] = [entry for name, entry in read_cache(cache_path()).items() if "|groups-as-heads|" in name]
     assert entry["groups_as_heads"] is False and entry["ms"]["head"]["2"] == 10.0
-    faster = _named_tiny_llama("tiny-llama-for-grouping-2")
+    faster = named_tiny_llama("tiny-llama-for-grouping-2")
     monkeypatch.setattr(kernels, "time_grouping", lambda *args: {"group": {2: 9.0, 4: 9.0}, "head": {2: 9.5, 4: 9.5}})
     grouped = LookaheadEngine(faster, None)
     grouped.batch(4)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tiny_models import tiny_model
+from tiny_models import named_tiny_llama, tiny_model
 
 from lookahead import LookaheadEngine
 from lookahead.backends.transformers import backend, kernels
@@ -159,12 +159,6 @@ def test_layers_are_joined_only_where_packed_alike_and_keeping_their_bits(monkey
         assert other.joined((mlp.gate_proj, mlp.up_proj), torch.randn(1, 2, width)) is None
 
 
-def _named_tiny_llama(name: str) -> torch.nn.Module:
-    model = tiny_model("llama")
-    model.config._name_or_path = name  # a model without a name is measured every time
-    return model
-
-
 @pytest.mark.usefixtures("one_thread")
 def test_auto_measures_once_and_keeps_its_verdict(monkeypatch, tmp_path):
     class Quiet:  # a verdict measured on a busy machine is not kept (the next test): this one was quiet
@@ -176,17 +170,17 @@ def test_auto_measures_once_and_keeps_its_verdict(monkeypatch, tmp_path):
     timed = []
     real = kernels.time_both
     monkeypatch.setattr(kernels, "time_both", lambda *args: timed.append(1) or real(*args))
-    model = _named_tiny_llama("tiny-llama-for-linears")
+    model = named_tiny_llama("tiny-llama-for-linears")
     first = _auto(model)
     second = _auto(model)  # another engine on the model: its packed layers remember
-    again = _auto(_named_tiny_llama("tiny-llama-for-linears"))  # a restart: the cache file
+    again = _auto(named_tiny_llama("tiny-llama-for-linears"))  # a restart: the cache file
     assert timed == [1]
     assert first == second == again
     entries = read_cache(cache_path())
     [name] = [name for name in entries if "tiny-llama-for-linears|" in name]
     entries[name] = {"packed": True}  # what older code kept: no width
     write_cache(cache_path(), entries)
-    _auto(_named_tiny_llama("tiny-llama-for-linears"))
+    _auto(named_tiny_llama("tiny-llama-for-linears"))
     assert timed == [1, 1], "an entry without a width it can use is measured again"
     forward = ModelForward(model)
     assert packed_candidate(forward, "model") is None
@@ -216,7 +210,7 @@ def test_passes_run_packed_from_the_narrowest_width_they_win_at_and_every_wider_
 
 @pytest.mark.usefixtures("one_thread")
 def test_a_pass_narrower_than_packed_from_runs_the_models_own_layers():
-    model = _named_tiny_llama("tiny-llama-for-routing")
+    model = named_tiny_llama("tiny-llama-for-routing")
     forward = ModelForward(model)
     forward.linears, forward.packed_from = PackedLinears(model), 3
     routed = []
@@ -248,14 +242,14 @@ def test_a_verdict_measured_on_a_busy_machine_is_not_kept_for_the_next_start(mon
     timed = []
     real = kernels.time_both
     monkeypatch.setattr(kernels, "time_both", lambda *args: timed.append(1) or real(*args))
-    _auto(_named_tiny_llama("tiny-llama-for-linears-busy"))
-    _auto(_named_tiny_llama("tiny-llama-for-linears-busy"))
+    _auto(named_tiny_llama("tiny-llama-for-linears-busy"))
+    _auto(named_tiny_llama("tiny-llama-for-linears-busy"))
     assert timed == [1, 1]
 
 
 @pytest.mark.usefixtures("one_thread")
 def test_packed_passes_are_priced_by_their_own_curves():
-    model = _named_tiny_llama("tiny-llama-for-linears-key")
+    model = named_tiny_llama("tiny-llama-for-linears-key")
     forward = ModelForward(model)
     unpacked = ModelMeter(forward).key
     forward.linears = PackedLinears(model)

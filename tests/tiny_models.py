@@ -62,6 +62,14 @@ def tiny_model(family: str, seed: int = 0, **overrides) -> PreTrainedModel:
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
+def named_tiny_llama(name: str) -> PreTrainedModel:
+    """A tiny Llama under `name`: what the engine measures for a named model is cached (a model without a name is
+    measured every time)."""
+    model = tiny_model("llama")
+    model.config._name_or_path = name
+    return model
+
+
 def tiny_gguf(path: Path, vocab: int = VOCAB) -> Path:
     """A random 2-layer Llama as a GGUF file, with the bundled model's tokenizer cut to its first `vocab` tokens.
 

@@ -7,7 +7,8 @@ verification block always has a mask and several tokens, so on a CPU the copy ma
 grow dearer with the context, most on models with few key/value heads (benchmarks/NOTES.md,
 "Verification blocks read grouped key/value heads in place"). torch's SDPA takes the groups
 itself (`enable_gqa`), with the mask, on the CPU, and gives the same bits; in rows of a batch
-this module hands it each group as one head instead (`_torch_sdpa`). transformers keeps the copy on other devices
+this module hands it each group as one head instead (`_torch_sdpa`), where that was measured faster
+(kernels.groups_as_heads). transformers keeps the copy on other devices
 (there a mask with `enable_gqa` falls back to the slow kernel), and so do we.
 
 The grouped function is registered in transformers' attention registry under

@@ -18,6 +18,7 @@ machine was busy is not, and is measured again at the next start).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import weakref
@@ -127,21 +128,18 @@ def time_grouping(forward: ModelForward, layout: Layout, rows: int) -> dict[str,
     """Milliseconds of the fastest of GROUPING_REPEATS passes of `rows` rows of each of GROUPING_WIDTHS tokens after
     BASE_CONTEXT cached ones, with each group of query heads as one head ("group") and head by head ("head"): widths
     and ways taking turns, pass by pass."""
-    ways = {"group": True, "head": False}
-    times: dict[str, dict[int, list[float]]] = {way: {width: [] for width in GROUPING_WIDTHS} for way in ways}
     chosen = forward.groups_as_heads
+
+    def grouped(way: bool) -> Callable[[], None]:
+        return lambda: setattr(forward, "groups_as_heads", way)
+
     try:
-        with ModelMeter(forward, layout).passes(rows, BASE_CONTEXT) as run:
-            for _ in range(GROUPING_REPEATS):
-                for width in GROUPING_WIDTHS:
-                    for way, grouped in ways.items():
-                        forward.groups_as_heads = grouped
-                        clock = time.perf_counter()
-                        run(width)
-                        times[way][width].append((time.perf_counter() - clock) * 1000)
+        passes = ModelMeter(forward, layout).passes(rows, BASE_CONTEXT)
+        return _fastest_in_turn(
+            passes, GROUPING_WIDTHS, GROUPING_REPEATS, {"group": grouped(True), "head": grouped(False)}
+        )
     finally:
         forward.groups_as_heads = chosen
-    return {way: {width: round(min(runs), 3) for width, runs in by_width.items()} for way, by_width in times.items()}
 
 
 def packed_wins_from(packed: dict[int, float], model: dict[int, float]) -> int | None:
@@ -167,19 +165,34 @@ def time_both(
 ) -> dict[str, dict[int, float]]:
     """Milliseconds of the fastest of `repeats` one-row passes of each width after `context` cached tokens, with
     the model's layers ("model") and the packed ones ("packed"): widths and kinds taking turns, pass by pass."""
-    kinds = {"model": None, "packed": packed}
-    times: dict[str, dict[int, list[float]]] = {kind: {width: [] for width in widths} for kind in kinds}
     chosen = forward.linears, forward.packed_from
     forward.packed_from = 1
+
+    def routed(linears: PackedLinears | None) -> Callable[[], None]:
+        return lambda: setattr(forward, "linears", linears)
+
     try:
-        with ModelMeter(forward).passes(1, context) as run:
-            for _ in range(repeats):
-                for width in widths:
-                    for kind, linears in kinds.items():
-                        forward.linears = linears
-                        clock = time.perf_counter()
-                        run(width)
-                        times[kind][width].append((time.perf_counter() - clock) * 1000)
+        passes = ModelMeter(forward).passes(1, context)
+        return _fastest_in_turn(passes, widths, repeats, {"model": routed(None), "packed": routed(packed)})
     finally:
         forward.linears, forward.packed_from = chosen
-    return {kind: {width: round(min(runs), 3) for width, runs in by_width.items()} for kind, by_width in times.items()}
+
+
+def _fastest_in_turn(
+    passes: contextlib.AbstractContextManager[Callable[[int], None]],
+    widths: Sequence[int],
+    repeats: int,
+    ways: dict[str, Callable[[], None]],
+) -> dict[str, dict[int, float]]:
+    """Milliseconds of the fastest of `repeats` of the meter's passes of each width, each way set up by its function
+    just before its pass: widths and ways taking turns, pass by pass (a machine's slow spells fall on all)."""
+    times: dict[str, dict[int, list[float]]] = {way: {width: [] for width in widths} for way in ways}
+    with passes as run:
+        for _ in range(repeats):
+            for width in widths:
+                for way, set_up in ways.items():
+                    set_up()
+                    clock = time.perf_counter()
+                    run(width)
+                    times[way][width].append((time.perf_counter() - clock) * 1000)
+    return {way: {width: round(min(runs), 3) for width, runs in by_width.items()} for way, by_width in times.items()}
