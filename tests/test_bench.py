@@ -356,3 +356,18 @@ def test_llama_cpp_table_compares_rates_not_times_where_outputs_differ_in_length
             for m, n, s in [(REFERENCE, 100, 10.0), (DEFAULT_BUILD, 50, 4.0), ("lookahead", 100, 5.0)]]  # fmt: skip
     ratios = {row["method"]: (row["vs_llama_cpp"], row["vs_default_build"]) for row in with_ratios(rows)}
     assert ratios == {REFERENCE: (1.0, 0.8), DEFAULT_BUILD: (1.25, 1.0), "lookahead": (2.0, 1.6)}
+
+
+def test_vllmbench_says_what_suffix_decoding_needs_before_loading_anything(monkeypatch, capsys):
+    import importlib.util
+
+    from lookahead.bench import vllmbench
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *args: None if name == "arctic_inference" else found(name, *args)
+    )
+    with pytest.raises(SystemExit) as raised:
+        vllmbench.main(["--methods", "plain,suffix"])
+    assert raised.value.code == 2
+    assert "arctic-inference==0.1.1" in capsys.readouterr().err

@@ -14,6 +14,7 @@ counters; identical = share of outputs equal to plain decoding's of the same pro
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import time
@@ -122,15 +123,19 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB per engine: four engines stay loaded at once
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")  # its default left a core idle
 
-    import vllm
-
-    from ..models import pretrained_directory
-
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     wanted = args.methods.split(",")
     configs = {name: config for name, config in methods(args.tokens).items() if name in wanted}
     if "plain" not in configs:
         parser.error("--methods must include plain: every figure is a ratio to it")
+    if "suffix" in configs and importlib.util.find_spec("arctic_inference") is None:
+        parser.error("--methods suffix: vLLM's suffix decoding needs arctic-inference==0.1.1 in this environment "
+                     "(`make bench-vllm` installs it), or leave suffix out")  # fmt: skip
+
+    import vllm
+
+    from ..models import pretrained_directory
+
     directory = str(pretrained_directory())
     engines = {}
     for name, config in configs.items():
