@@ -91,6 +91,13 @@ def test_only_sdpa_models_with_grouped_heads_on_a_cpu_switch():
     assert grouped_attention(eager, torch.device("cpu")) is None
 
 
+def test_only_a_model_with_grouped_heads_read_in_place_may_attend_them_as_one():
+    """Every other model attends head by head, and its one padded call is priced as such (masks.ONE_CALL_KEYS)."""
+    assert ModelForward(tiny_model("llama")).groups_as_heads is True  # until measured slower (kernels.py)
+    assert ModelForward(tiny_model("phi3")).groups_as_heads is False
+    assert ModelForward(tiny_model("gpt2")).groups_as_heads is False
+
+
 def _recorded_sdpa_calls(monkeypatch) -> list[tuple[int, bool]]:
     """(query heads, enable_gqa) of each call of torch's SDPA from here on, on two threads."""
     calls = []

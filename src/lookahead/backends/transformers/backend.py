@@ -91,7 +91,7 @@ class TransformersBackend:
             if not self._batching_probed:
                 self._batching_probed = True
                 self.verifier.layout = layout = probe_batching(self.forward, self._tolerant_mode)
-                if layout is not None and self.forward.attention is not None and max_batch > 1:
+                if layout is not None and self.forward.groups_as_heads and max_batch > 1:
                     self.forward.groups_as_heads = groups_as_heads(self.forward, layout, max_batch)
         return self.verifier.layout == "packed"
 

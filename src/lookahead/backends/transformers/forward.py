@@ -50,9 +50,11 @@ class ModelForward:
         self.one_call = True
         """A packed pass may attend every row's block in one padded call where that is cheaper (masks.packed_inputs);
         False: drafts always in calls of their own (the start-up probes check both ways)."""
-        self.groups_as_heads = True
-        """A batch's blocks of several queries attend each group of query heads as one head (attention._torch_sdpa);
-        False where that was measured slower (kernels.groups_as_heads)."""
+        self.groups_as_heads = self.attention is not None
+        """A batch's blocks of several queries attend each group of query heads as one head (attention._torch_sdpa):
+        where the model has groups and our attention reads them in place, unless measured slower
+        (kernels.groups_as_heads). False for any other model: its passes attend head by head, and price one padded
+        call as such (masks.ONE_CALL_KEYS)."""
         self.decoder: DirectDecoder | None = None
         """The model's layers run as one loop (decoder.py), where found to give its logits bit for bit
         (capability.check_direct_decoder); None: through the model's forward."""
