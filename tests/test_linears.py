@@ -5,7 +5,7 @@ import torch
 from tiny_models import named_tiny_llama, tiny_model
 
 from lookahead import LookaheadEngine
-from lookahead.backends.transformers import backend, kernels
+from lookahead.backends.transformers import backend, kernels, rowkernel
 from lookahead.backends.transformers.costs import ModelMeter
 from lookahead.backends.transformers.forward import ModelForward
 from lookahead.backends.transformers.kernels import DRAFT_WIDTHS, packed_candidate, packed_from, packed_wins_from
@@ -228,7 +228,8 @@ def test_a_pass_narrower_than_packed_from_runs_the_models_own_layers():
         rows = forward.new_cache()
         forward.rows(rows, [[5, 9], [17, 33]], [None, None], [0, 0], tree_masks=True)  # 2 rows of 2: 4 tokens
     assert routed and set(routed) == {2}, "a pass's tokens are every row's: packed"
-    assert ModelMeter(forward).key.endswith("|linears=packed-from-3"), "its passes are priced by curves of their own"
+    kind = forward.linears.kind  # 'rows' where the row kernel is built, else 'packed' (oneDNN)
+    assert ModelMeter(forward).key.endswith(f"|linears={kind}-from-3"), "its passes are priced by curves of their own"
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -253,10 +254,11 @@ def test_packed_passes_are_priced_by_their_own_curves():
     forward = ModelForward(model)
     unpacked = ModelMeter(forward).key
     forward.linears = PackedLinears(model)
-    assert ModelMeter(forward).key == unpacked + "|linears=packed"
+    assert ModelMeter(forward).key == unpacked + f"|linears={forward.linears.kind}"
 
 
 def test_products_wider_than_most_rows_are_made_in_pieces(monkeypatch):
+    monkeypatch.setattr(rowkernel, "load", lambda: None)  # oneDNN's products (the row kernel's need no pieces)
     model = tiny_model("llama")
     linears = PackedLinears(model)
     layer = model.lm_head

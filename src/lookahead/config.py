@@ -55,9 +55,10 @@ class LookaheadConfig:
     on the CPUs measured they add tokens per step but no tokens per second (benchmarks/NOTES.md)."""
     linears: str = "auto"
     """A float32 (or, where the CPU computes it, bfloat16) transformers model on a CPU: 'auto' runs its linear layers
-    from weights packed once for oneDNN in the passes wide enough for that to measure faster on this machine
-    (cached), the model's own in narrower ones; 'packed' always, 'model' never. The packed copies double the
-    memory the linear weights take."""
+    through faster kernels than the model's (float32: the row kernel built for this CPU, backends/transformers/
+    rowkernel.py, unless LOOKAHEAD_ROW_KERNEL=off; else weights packed once for oneDNN, which double the memory the
+    linear weights take) in the passes wide enough for that to measure faster on this machine (cached), the model's
+    own in narrower ones; 'packed' always, 'model' never."""
     direct_layers: bool = True
     """A Llama-shaped transformers model (Llama, Qwen2, Mistral, SmolLM2): run its layers as one loop, without
     transformers' per-layer plumbing, where a check at start finds it gives the model's logits bit for bit

@@ -36,7 +36,8 @@ class ModelMeter:
         self.tree_masks = tree_masks
         key = runtime_key(forward)
         if key and forward.linears is not None:
-            key += "|linears=packed" if forward.packed_from == 1 else f"|linears=packed-from-{forward.packed_from}"
+            kind = forward.linears.kind
+            key += f"|linears={kind}" if forward.packed_from == 1 else f"|linears={kind}-from-{forward.packed_from}"
         if key and forward.nodewise:
             key += f"|chains=nodewise|rows<={forward.most_rows}"
         self.key = key

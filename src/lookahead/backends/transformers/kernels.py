@@ -68,7 +68,7 @@ def packed_from(forward: ModelForward, packed: PackedLinears, widths: Sequence[i
     """The fewest tokens a pass needs for `packed` layers to be faster than the model's own (measured at `widths`,
     and faster at every wider one measured); None where the model's own win at the widest."""
     key = runtime_key(forward)  # '' for a model without a name: measured every start, as its cost curves are
-    name = f"{key}|linears|torch={torch.__version__}|widths={tuple(widths)}" if key else None
+    name = f"{key}|linears={packed.kind}|torch={torch.__version__}|widths={tuple(widths)}" if key else None
     # in this process, with dtype and threads said even where the key is empty (a model may change dtype)
     remembered = f"{key}|{forward.model.dtype}|threads={torch.get_num_threads()}|widths={tuple(widths)}"
     if remembered not in packed.verdicts:

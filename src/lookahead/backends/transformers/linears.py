@@ -1,18 +1,21 @@
-"""The model's linear layers through oneDNN with their weights packed once, for the engine's passes on a CPU.
+"""The model's linear layers through faster kernels than the BLAS's for the engine's passes on a CPU.
 
 torch's float32 `linear` on a CPU calls the BLAS for every product with the weight in its
 stored layout, and for a handful of rows the BLAS may take a small-matrix path that reads the
-weights slowly (on some CPUs 2-3 rows cost more than 8). oneDNN reads a weight reordered once
-into its own blocked layout (what torch's compiler does with frozen weights) at nearly the same
-price for 1 to 8 rows, so a draft of a few tokens costs little more than one token. Which is
-faster for how many rows depends on the CPU: kernels.py measures it.
+weights slowly (on some CPUs 2-3 rows cost more than 8). Two kernels read them at nearly the
+same price for 1 to 8 rows, so a draft of a few tokens costs little more than one token: in
+float32 the row kernel (rowkernel.py, built for this CPU), which reads the weights as they are;
+where it is not built, and in bfloat16, oneDNN, which reads a weight reordered once into its own
+blocked layout (what torch's compiler does with frozen weights). Which is faster than the
+model's own layers for how many rows depends on the CPU: kernels.py measures it.
 
 bfloat16 weights are packed too where oneDNN computes bfloat16 on this CPU (AVX-512 with BF16,
 or AMX; its own check): torch's bfloat16 `linear` reaches oneDNN as well, but with the weight in
 the model's layout every call.
 
-The model stays as it is: the packed copies live here (they double the memory of the linear
-weights; every engine on a model shares one copy), and each layer is routed to them only within
+The model stays as it is: the packed copies live here (oneDNN's double the memory of the linear
+weights, the row kernel's are the weights themselves; every engine on a model shares one set), and
+each layer is routed to them only within
 the engine's passes (`packed_as`). A weight changed in place or replaced after packing is packed
 again before its next pass; one moved to another dtype or device computes as the model's layer.
 
@@ -40,6 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import rowkernel
+
 JOIN_ROWS = 64
 """Most rows a joined product takes (a wider one, a prompt's, is made layer by layer): every width up to it is checked
 to give the layers' own bits."""
@@ -62,7 +67,7 @@ class PackedLinear:
         if weight is not self.weight or weight._version != self.version or weight.data_ptr() != self.address:
             if not _packable_weight(weight):  # moved to another dtype or device since: the layer computes itself
                 return torch.nn.functional.linear(x, weight, module.bias)
-            self.__dict__.update(vars(pack(module)))  # changed since: packed again, before it is used
+            self.__dict__.update(vars(pack(module, not self.packed.is_mkldnn)))  # changed: packed again, first
         return _product(x, self.packed, module.bias, most_rows)
 
 
@@ -82,11 +87,11 @@ class JoinedLinear:
     sizes: tuple[int, ...]
 
     @classmethod
-    def of(cls, modules: tuple[torch.nn.Linear, ...]) -> JoinedLinear:
-        """The layers' weights (and biases, where every layer has one) packed as one."""
+    def of(cls, modules: tuple[torch.nn.Linear, ...], rows: bool = False) -> JoinedLinear:
+        """The layers' weights (and biases, where every layer has one) packed as one (`rows`: for the row kernel)."""
         tensors = tuple(tensor for module in modules for tensor in (module.weight, module.bias))
         with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([m.weight.detach() for m in modules]), None)
+            packed = _packed_weight(torch.cat([m.weight.detach() for m in modules]), rows)
             biased = modules[0].bias is not None
             bias = torch.cat([module.bias.detach() for module in modules]) if biased else None
         sizes = tuple(module.weight.shape[0] for module in modules)
@@ -121,7 +126,15 @@ def _stamp(tensor: torch.Tensor | None) -> tuple[int, int, int] | None:
 
 
 def _product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, most_rows: int | None) -> torch.Tensor:
-    """`x` times a packed weight (plus `bias`); with `most_rows`, in products of at most that many rows."""
+    """`x` times a packed weight (plus `bias`); with `most_rows`, in products of at most that many rows.
+
+    A weight kept in its own layout (not oneDNN's) is the row kernel's, which gives every row its one-row bits
+    whatever the product's width (so `most_rows` changes nothing there); a product too wide for it is the BLAS's."""
+    if not packed.is_mkldnn:
+        kernel = rowkernel.load()
+        if kernel is not None and rowkernel.fits(x, packed):
+            return kernel.linear(x, packed, bias)
+        return torch.nn.functional.linear(x, packed, bias)
     if most_rows is None or x.numel() <= most_rows * x.shape[-1]:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     rows = x.reshape(-1, x.shape[-1]).split(most_rows)
@@ -133,9 +146,10 @@ class PackedLinears:
     """Packed copies of a model's plain `torch.nn.Linear` layers on the CPU (float32, or bfloat16 where supported)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.layers: dict[torch.nn.Linear, PackedLinear] = {
-            module: pack(module) for module in model.modules() if packable(module)
-        }
+        layers = [module for module in model.modules() if packable(module)]
+        self.rows = any(module.weight.dtype == torch.float32 for module in layers) and rowkernel.load() is not None
+        """float32 layers run the row kernel (built for this CPU), else oneDNN's products."""
+        self.layers: dict[torch.nn.Linear, PackedLinear] = {module: pack(module, self.rows) for module in layers}
         self._forwards: dict[int | None, dict[torch.nn.Linear, functools.partial]] = {}
         self._joined: dict[tuple[torch.nn.Linear, ...], JoinedLinear | None] = {}
         """Joined products made so far (None: those layers are not joined)."""
@@ -148,6 +162,11 @@ class PackedLinears:
 
     def __len__(self) -> int:
         return len(self.layers)
+
+    @property
+    def kind(self) -> str:
+        """Which kernel the float32 layers run, as cache keys name it: 'rows' (the row kernel) or 'packed' (oneDNN)."""
+        return "rows" if self.rows else "packed"
 
     def forwards(self, most_rows: int | None = None) -> dict[torch.nn.Linear, functools.partial]:
         """What each layer's `forward` is within a pass whose products take at most `most_rows` rows (None: any);
@@ -184,7 +203,7 @@ class PackedLinears:
         shape = (*kinds, tuple(module.weight.shape[0] for module in modules), torch.get_num_threads())
         if self._same_bits.get(shape) is False:
             return None  # known to round otherwise: not packed for nothing
-        joined = JoinedLinear.of(modules)
+        joined = JoinedLinear.of(modules, self.rows)
         if shape not in self._same_bits:
             self._same_bits[shape] = joined.same_bits(modules, [self.layers[module] for module in modules])
         return joined if self._same_bits[shape] else None
@@ -230,11 +249,18 @@ def packable_dtypes() -> frozenset[torch.dtype]:
     return frozenset({torch.float32, *([torch.bfloat16] if bfloat16 is not None and bfloat16() else [])})
 
 
-def pack(module: torch.nn.Linear) -> PackedLinear:
+def pack(module: torch.nn.Linear, rows: bool = False) -> PackedLinear:
+    """The layer's weight packed for oneDNN, or with `rows` (and float32) kept for the row kernel."""
     weight = module.weight
     with torch.no_grad():
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        return PackedLinear(weight, weight._version, weight.data_ptr(), packed)
+        return PackedLinear(weight, weight._version, weight.data_ptr(), _packed_weight(weight.detach(), rows))
+
+
+def _packed_weight(weight: torch.Tensor, rows: bool) -> torch.Tensor:
+    """A float32 weight as the row kernel reads it (contiguous: itself where it is), else reordered for oneDNN."""
+    if rows and weight.dtype == torch.float32:
+        return weight.contiguous()
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
 
 @contextlib.contextmanager

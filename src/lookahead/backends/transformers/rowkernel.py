@@ -1,0 +1,91 @@
+"""The row kernel (rowkernel.cpp): float32 products of a few rows that read each weight once, built for this CPU.
+
+A step multiplies a few rows (a token, a draft of a few, a batch's rows) by every weight of the
+model, so its price is reading the weights. torch's BLAS reads them at the memory's speed for
+one row and slower from a few rows on, and oneDNN's packed weights cost more at one row; this
+kernel reads them once for every row at about the one-row price, and gives each row the bits of
+its one-row product (benchmarks/NOTES.md has the figures).
+
+It is compiled on first use (a C++ compiler and ninja, about 20 seconds, once per machine: torch
+keeps the build under its extensions folder, named by the instruction set) for AVX-512 or AVX2
+with FMA; elsewhere, where the build fails or where LOOKAHEAD_ROW_KERNEL=off, `load` says why
+once and returns None, and the packed layers keep oneDNN's products.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+MOST_ROWS = 16
+"""Widest product run here: wider ones (a prompt's, a large batch's) go to the BLAS, which computes many rows faster."""
+SWITCH = "LOOKAHEAD_ROW_KERNEL"
+"""Set to 'off' (before the first engine starts) to keep oneDNN's products instead."""
+_FLAGS = {"AVX512": ["-mavx512f", "-mavx512dq", "-mavx2", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
+"""Compiler flags per instruction set torch reports for this CPU (torch.backends.cpu.get_cpu_capability)."""
+_SOURCE = Path(__file__).with_name("rowkernel.cpp")
+_building = threading.Lock()
+log = logging.getLogger("lookahead.rowkernel")
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    """The compiled kernel for this CPU (built the first time), or None where it cannot be (logged once)."""
+    if os.environ.get(SWITCH, "on").strip().lower() in ("off", "0", "false", "no"):
+        log.info("%s is off: packed layers use oneDNN", SWITCH)
+        return None
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = next((_FLAGS[name] for name in _FLAGS if capability.startswith(name)), None)
+    if flags is None:
+        log.info("no row kernel for this CPU (torch reports %s; it needs AVX2 or AVX-512)", capability)
+        return None
+    _put_ninja_on_path()
+    if shutil.which(os.environ.get("CXX", "c++")) is None or shutil.which("ninja") is None:
+        log.warning("no C++ compiler or ninja here: the row kernel is not built, packed layers use oneDNN")
+        return None
+    from torch.utils import cpp_extension  # imported here: it is slow to import and only the build needs it
+
+    name = f"lookahead_rowkernel_{capability.lower()}"
+    with _building:
+        log.info("loading the row kernel for %s (built the first time: about 20 s)", capability)
+        try:
+            return cpp_extension.load(
+                name, [str(_SOURCE)], extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"]
+            )
+        except (OSError, RuntimeError, ImportError) as err:  # a compiler error, a missing header, a broken cache
+            log.warning("the row kernel could not be built (%s): packed layers use oneDNN", str(err).splitlines()[0])
+            return None
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernel takes this product: float32 on the CPU, at most MOST_ROWS rows."""
+    return (
+        x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.numel() <= MOST_ROWS * x.shape[-1]
+    )
+
+
+def _put_ninja_on_path() -> None:
+    """The ninja that the `ninja` package installs lives beside this interpreter, which may not be on PATH."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    folder = getattr(ninja, "BIN_DIR", None)
+    if folder and folder not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([folder, os.environ.get("PATH", "")])
+
+
+if __name__ == "__main__":  # `make setup` builds it ahead, so that the first engine does not wait for it
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    built = load()
+    print(f"row kernel: {'built, ' + built.__file__ if built is not None else 'not built (above); oneDNN is used'}")
