@@ -165,8 +165,9 @@ class PackedLinears:
 
     @property
     def kind(self) -> str:
-        """Which kernel the float32 layers run, as cache keys name it: 'rows' (the row kernel) or 'packed' (oneDNN)."""
-        return "rows" if self.rows else "packed"
+        """Which kernel the float32 layers run, as cache keys name it: 'rows-' and the row kernel's fingerprint, or
+        'packed' (oneDNN)."""
+        return f"rows-{rowkernel.fingerprint()}" if self.rows else "packed"
 
     def forwards(self, most_rows: int | None = None) -> dict[torch.nn.Linear, functools.partial]:
         """What each layer's `forward` is within a pass whose products take at most `most_rows` rows (None: any);

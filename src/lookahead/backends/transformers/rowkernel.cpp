@@ -2,9 +2,9 @@
 //
 // Why: a decoding step multiplies 1 to a few dozen rows by every weight of the model, and on a CPU
 // the price is reading the weights. The BLAS's one-row path reads them at the memory's speed, but
-// from a few rows on it switches to kernels that read them slower; this loop keeps each pair of w's
-// rows in the first-level cache while every row of x is multiplied by them, and prefetches the
-// weights far enough ahead that the multiply-adds do not stall the stream.
+// from a few rows on it switches to kernels that read them slower; this loop keeps a few of w's rows
+// in the first-level cache while every row of x is multiplied by them, and prefetches the weights
+// far enough ahead that the multiply-adds do not stall the stream.
 //
 // Every output y[m, n] is summed the same way whatever the number of rows and threads: lane j of a
 // vector sums the products at k ≡ j (mod lanes) in order of k, the lanes are added in one fixed
@@ -21,7 +21,10 @@ namespace {
 #if defined(__AVX512F__)
 using Vec = __m512;
 constexpr int kLanes = 16;
-constexpr int kRowsAtOnce = 8;  // 2 weight rows x 8 rows of x = 16 accumulators of 32 registers
+// Tiles of weight rows x rows of x, accumulators of 32 registers: where x has few rows, 2 x 8 (each weight
+// row's products done sooner: the stream keeps its pace), else 4 x 6 (fewer loads a multiply-add).
+struct Few { static constexpr int kWeightRows = 2, kRowsAtOnce = 8; };
+struct Many { static constexpr int kWeightRows = 4, kRowsAtOnce = 6; };
 inline Vec zero() { return _mm512_setzero_ps(); }
 inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
@@ -34,7 +37,8 @@ inline float lanes_sum(Vec v) {
 #elif defined(__AVX2__) && defined(__FMA__)
 using Vec = __m256;
 constexpr int kLanes = 8;
-constexpr int kRowsAtOnce = 4;  // 2 x 4 accumulators of 16 registers
+struct Few { static constexpr int kWeightRows = 2, kRowsAtOnce = 4; };  // 2 x 4 accumulators of 16 registers
+using Many = Few;
 inline Vec zero() { return _mm256_setzero_ps(); }
 inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
@@ -48,58 +52,79 @@ inline float lanes_sum(Vec v) {
 #endif
 
 constexpr int64_t kPrefetch = 2048;  // floats ahead of the weight being read (8 KiB): fastest of 256-8192 measured
-constexpr int64_t kPairsPerTask = 16;
+constexpr int64_t kTilesPerTask = 8;
 
-// Rows m0..m0+M-1 of x times weight rows n (and n + 1 when `pair`), each product summed as the header says.
-template <int M, bool pair>
+// Rows 0..M-1 of x times weight rows n..n+T-1, each product summed as the header says.
+template <int M, int T>
 void block(const float* x, const float* w, const float* bias, float* y, int64_t K, int64_t N, int64_t n,
            bool prefetch) {
   const int64_t whole = K / kLanes * kLanes;
-  const float* w0 = w + n * K;
-  const float* w1 = pair ? w0 + K : w0;
-  Vec a0[M], a1[M];
+  Vec acc[T][M];
 #pragma GCC unroll 8
-  for (int m = 0; m < M; ++m) a0[m] = a1[m] = zero();
+  for (int t = 0; t < T; ++t)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[t][m] = zero();
   for (int64_t k = 0; k < whole; k += kLanes) {
-    if (prefetch) {
-      _mm_prefetch(reinterpret_cast<const char*>(w0 + k + kPrefetch), _MM_HINT_T0);
-      if (pair) _mm_prefetch(reinterpret_cast<const char*>(w1 + k + kPrefetch), _MM_HINT_T0);
+    Vec v[T];
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) {
+      const float* row = w + (n + t) * K + k;
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetch), _MM_HINT_T0);
+      v[t] = load(row);
     }
-    const Vec v0 = load(w0 + k);
-    const Vec v1 = pair ? load(w1 + k) : v0;
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
       const Vec xv = load(x + m * K + k);
-      a0[m] = fma(v0, xv, a0[m]);
-      if (pair) a1[m] = fma(v1, xv, a1[m]);
+#pragma GCC unroll 8
+      for (int t = 0; t < T; ++t) acc[t][m] = fma(v[t], xv, acc[t][m]);
     }
   }
 #pragma GCC unroll 8
-  for (int m = 0; m < M; ++m) {
-    const float* xm = x + m * K;
-    float s0 = lanes_sum(a0[m]);
-    for (int64_t k = whole; k < K; ++k) s0 += w0[k] * xm[k];
-    if (bias) s0 += bias[n];
-    y[m * N + n] = s0;
-    if (pair) {
-      float s1 = lanes_sum(a1[m]);
-      for (int64_t k = whole; k < K; ++k) s1 += w1[k] * xm[k];
-      if (bias) s1 += bias[n + 1];
-      y[m * N + n + 1] = s1;
+  for (int t = 0; t < T; ++t) {
+    const float* row = w + (n + t) * K;
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      float sum = lanes_sum(acc[t][m]);
+      for (int64_t k = whole; k < K; ++k) sum += row[k] * x[m * K + k];
+      if (bias) sum += bias[n + t];
+      y[m * N + n + t] = sum;
     }
   }
 }
 
-template <bool pair>
-void rows_of(int64_t rows, const float* x, const float* w, const float* bias, float* y, int64_t K, int64_t N,
-             int64_t n, bool prefetch) {
-  switch (rows) {
-#define ROWS_CASE(R) \
-  case R: return block<(R <= kRowsAtOnce ? R : kRowsAtOnce), pair>(x, w, bias, y, K, N, n, prefetch);
-    ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7)
+// All M rows of x times weight rows n..n+T-1, C rows of x at a time (the weight rows stay cached).
+template <int T, int C>
+void tile(int64_t M, const float* x, const float* w, const float* bias, float* y, int64_t K, int64_t N, int64_t n) {
+  for (int64_t m0 = 0; m0 < M; m0 += C) {
+    const float* xs = x + m0 * K;
+    float* ys = y + m0 * N;
+    const bool prefetch = m0 == 0;
+    switch (std::min<int64_t>(C, M - m0)) {
+#define ROWS_CASE(R)                                                   \
+  case R:                                                              \
+    block<(R < C ? R : C), T>(xs, w, bias, ys, K, N, n, prefetch);     \
+    break;
+      ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7)
 #undef ROWS_CASE
-    default: return block<kRowsAtOnce, pair>(x, w, bias, y, K, N, n, prefetch);
+      default: block<C, T>(xs, w, bias, ys, K, N, n, prefetch);
+    }
   }
+}
+
+// Every row of x times every weight row, in tiles of Shape, the tiles shared among torch's threads.
+template <typename Shape>
+void product(int64_t M, const float* x, const float* w, const float* bias, float* y, int64_t K, int64_t N) {
+  constexpr int T = Shape::kWeightRows, C = Shape::kRowsAtOnce;
+  at::parallel_for(0, (N + T - 1) / T, kTilesPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n = p * T;
+      if (n + T <= N) {
+        tile<T, C>(M, x, w, bias, y, K, N, n);
+      } else {
+        for (int64_t last = n; last < N; ++last) tile<1, C>(M, x, w, bias, y, K, N, last);
+      }
+    }
+  });
 }
 
 }  // namespace
@@ -123,20 +148,11 @@ torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& weight, co
   const float* wp = weight.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  const int64_t pairs = N / 2;
-  at::parallel_for(0, pairs + (N % 2), kPairsPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t n = 2 * p;
-      for (int64_t m0 = 0; m0 < M; m0 += kRowsAtOnce) {  // the pair's weight rows stay cached across x's rows
-        const int64_t rows = std::min<int64_t>(kRowsAtOnce, M - m0);
-        if (p < pairs) {
-          rows_of<true>(rows, xp + m0 * K, wp, bp, yp + m0 * N, K, N, n, m0 == 0);
-        } else {
-          rows_of<false>(rows, xp + m0 * K, wp, bp, yp + m0 * N, K, N, n, m0 == 0);
-        }
-      }
-    }
-  });
+  if (M <= Few::kRowsAtOnce) {
+    product<Few>(M, xp, wp, bp, yp, K, N);
+  } else {
+    product<Many>(M, xp, wp, bp, yp, K, N);
+  }
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
   shape.back() = N;
   return y.view(shape);

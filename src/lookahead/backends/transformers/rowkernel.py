@@ -15,6 +15,7 @@ once and returns None, and the packed layers keep oneDNN's products.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -24,8 +25,8 @@ from types import ModuleType
 
 import torch
 
-MOST_ROWS = 16
-"""Widest product run here: wider ones (a prompt's, a large batch's) go to the BLAS, which computes many rows faster."""
+MOST_ROWS = 64
+"""Widest product run here: wider ones (a prompt's) go to the BLAS, which computes many rows faster."""
 SWITCH = "LOOKAHEAD_ROW_KERNEL"
 """Set to 'off' (before the first engine starts) to keep oneDNN's products instead."""
 _FLAGS = {"AVX512": ["-mavx512f", "-mavx512dq", "-mavx2", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
@@ -62,6 +63,12 @@ def load() -> ModuleType | None:
         except (OSError, RuntimeError, ImportError) as err:  # a compiler error, a missing header, a broken cache
             log.warning("the row kernel could not be built (%s): packed layers use oneDNN", str(err).splitlines()[0])
             return None
+
+
+@functools.cache
+def fingerprint() -> str:
+    """What names this kernel in cache keys: its source and widest product, so passes timed on another are not used."""
+    return hashlib.sha256(_SOURCE.read_bytes() + str(MOST_ROWS).encode()).hexdigest()[:8]
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
