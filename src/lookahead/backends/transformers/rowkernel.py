@@ -7,7 +7,7 @@ kernel reads them once for every row at about the one-row price, and gives each 
 its one-row product (benchmarks/NOTES.md has the figures).
 
 It is compiled on first use (a C++ compiler and ninja, about 20 seconds, once per machine: torch
-keeps the build under its extensions folder, named by the instruction set) for AVX-512 or AVX2
+keeps the build under its extensions folder, named by the instruction set and torch's version) for AVX-512 or AVX2
 with FMA; elsewhere, where the build fails or where LOOKAHEAD_ROW_KERNEL=off, `load` says why
 once and returns None, and the packed layers keep oneDNN's products.
 """
@@ -53,7 +53,8 @@ def load() -> ModuleType | None:
         return None
     from torch.utils import cpp_extension  # imported here: it is slow to import and only the build needs it
 
-    name = f"lookahead_rowkernel_{capability.lower()}"
+    torch_version = "".join(c if c.isalnum() else "_" for c in torch.__version__)  # another torch: another build
+    name = f"lookahead_rowkernel_{capability.lower()}_torch{torch_version}"
     with _building:
         log.info("loading the row kernel for %s (built the first time: about 20 s)", capability)
         try:
