@@ -295,7 +295,7 @@ def test_same_bits_finds_a_joined_product_that_rounds_otherwise(monkeypatch):
     model = tiny_model("llama")
     linears = PackedLinears(model)
     mlp = model.model.layers[0].mlp
-    joined = JoinedLinear.of((mlp.gate_proj, mlp.up_proj))
+    joined = JoinedLinear.of((mlp.gate_proj, mlp.up_proj), linears.rows)  # the kernel the layers run
     layers = [linears.layers[mlp.gate_proj], linears.layers[mlp.up_proj]]
     exact = joined.same_bits((mlp.gate_proj, mlp.up_proj), layers)
     product = JoinedLinear.__call__
@@ -306,4 +306,5 @@ def test_same_bits_finds_a_joined_product_that_rounds_otherwise(monkeypatch):
 
     monkeypatch.setattr(JoinedLinear, "__call__", off_at_seven_rows)
     assert not joined.same_bits((mlp.gate_proj, mlp.up_proj), layers)
+    assert exact or linears.rows is False, "the row kernel sums each output alone: joined, it keeps the bits"
     assert exact or pytest.skip("oneDNN rounds this joined product otherwise on this CPU anyway")
