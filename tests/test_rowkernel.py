@@ -1,6 +1,8 @@
 """The row kernel: what torch's linear computes, each row with its one-row bits at any width, used where it fits."""
 
 import logging
+import os
+import time
 
 import pytest
 import torch
@@ -94,6 +96,19 @@ def test_the_switch_turns_it_off(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="lookahead.rowkernel"):
         assert rowkernel.load.__wrapped__() is None
     assert "LOOKAHEAD_ROW_KERNEL is off" in caplog.text
+
+
+def test_a_lock_left_by_a_stopped_build_is_removed_and_a_fresh_one_kept(tmp_path, caplog):
+    stale, fresh = tmp_path / "stale", tmp_path / "fresh"
+    stale.touch()
+    fresh.touch()
+    old = time.time() - rowkernel.STALE_LOCK_SECONDS - 5
+    os.utime(stale, (old, old))
+    rowkernel._clear_stale_lock(stale)
+    rowkernel._clear_stale_lock(fresh)  # another process building now: its lock stays
+    rowkernel._clear_stale_lock(tmp_path / "none")
+    assert not stale.exists() and fresh.exists()
+    assert "a row kernel build that was stopped" in caplog.text
 
 
 def test_without_a_compiler_it_says_so_and_is_not_used(monkeypatch, caplog):

@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -32,6 +33,9 @@ SWITCH = "LOOKAHEAD_ROW_KERNEL"
 _FLAGS = {"AVX512": ["-mavx512f", "-mavx512dq", "-mavx2", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
 """Compiler flags per instruction set torch reports for this CPU (torch.backends.cpu.get_cpu_capability)."""
 _SOURCE = Path(__file__).with_name("rowkernel.cpp")
+STALE_LOCK_SECONDS = 600.0
+"""A build lock this old was left by a build that was stopped (a build takes about 20 s): torch would wait on it
+forever, so it is removed."""
 _building = threading.Lock()
 log = logging.getLogger("lookahead.rowkernel")
 
@@ -56,6 +60,7 @@ def load() -> ModuleType | None:
     torch_version = "".join(c if c.isalnum() else "_" for c in torch.__version__)  # another torch: another build
     name = f"lookahead_rowkernel_{capability.lower()}_torch{torch_version}"
     with _building:
+        _clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock")
         log.info("loading the row kernel for %s (built the first time: about 20 s)", capability)
         try:
             return cpp_extension.load(
@@ -70,6 +75,17 @@ def load() -> ModuleType | None:
 def fingerprint() -> str:
     """What names this kernel in cache keys: its source and widest product, so passes timed on another are not used."""
     return hashlib.sha256(_SOURCE.read_bytes() + str(MOST_ROWS).encode()).hexdigest()[:8]
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """Remove the build lock a stopped build left (torch's builder waits for it to go, without end)."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        log.warning("removing %s, left %.0f s ago by a row kernel build that was stopped", lock, age)
+        lock.unlink(missing_ok=True)
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
