@@ -15,16 +15,17 @@ the model's layout every call.
 
 The model stays as it is: the packed copies live here (oneDNN's double the memory of the linear
 weights, the row kernel's are the weights themselves; every engine on a model shares one set), and
-each layer is routed to them only within
-the engine's passes (`packed_as`). A weight changed in place or replaced after packing is packed
-again before its next pass; one moved to another dtype or device computes as the model's layer.
+each layer is routed to them only within the engine's passes (`packed_as`). A weight changed in
+place or replaced after packing is packed again before its next pass; one moved to another dtype
+or device computes as the model's layer.
 
 As with the model's own layers, a token's logits in a draft block may differ in the last bits
-from its one-token pass (oneDNN takes another path for a single row of some shapes, and
-attention sums a block otherwise): in float32, exactness is of tokens, held against `generate()`
-by the tests, as on every backend. In bfloat16 a product of up to some number of rows may give
-each row the bits of its one-row product, and a wider one not; `packed_as` then makes wider
-products in pieces that do (capability.settle_rounding finds the number).
+from its one-token pass (oneDNN takes another path for a single row of some shapes, though the
+row kernel does not, and attention sums a block otherwise): in float32, exactness is of tokens,
+held against `generate()` by the tests, as on every backend. In bfloat16 a product of up to some
+number of rows may give each row the bits of its one-row product, and a wider one not;
+`packed_as` then makes wider products in pieces that do (capability.settle_rounding finds the
+number).
 
 Layers that read the same input (a layer's q/k/v projections, its MLP's gate and up) can be
 joined into one packed product (`PackedLinears.joined`, which the direct decoder calls) where

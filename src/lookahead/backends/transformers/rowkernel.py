@@ -6,10 +6,11 @@ one row and slower from a few rows on, and oneDNN's packed weights cost more at 
 kernel reads them once for every row at about the one-row price, and gives each row the bits of
 its one-row product (benchmarks/NOTES.md has the figures).
 
-It is compiled on first use (a C++ compiler and ninja, about 20 seconds, once per machine: torch
-keeps the build under its extensions folder, named by the instruction set and torch's version) for AVX-512 or AVX2
-with FMA; elsewhere, where the build fails or where LOOKAHEAD_ROW_KERNEL=off, `load` says why
-once and returns None, and the packed layers keep oneDNN's products.
+It is compiled on first use for AVX-512 or AVX2 with FMA (a C++ compiler and ninja, about 20
+seconds, once per machine: torch keeps the build under its extensions folder, named by the
+instruction set and torch's version); elsewhere, where the build fails or where
+LOOKAHEAD_ROW_KERNEL=off, `load` says why once and returns None, and the packed layers keep
+oneDNN's products.
 """
 
 from __future__ import annotations
