@@ -133,7 +133,7 @@ def _product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, m
     whatever the product's width (so `most_rows` changes nothing there); a product too wide for it is the BLAS's."""
     if not packed.is_mkldnn:
         kernel = rowkernel.load()
-        if kernel is not None and rowkernel.fits(x, packed):
+        if kernel is not None and rowkernel.fits(x):
             return kernel.linear(x, packed, bias)
         return torch.nn.functional.linear(x, packed, bias)
     if most_rows is None or x.numel() <= most_rows * x.shape[-1]:

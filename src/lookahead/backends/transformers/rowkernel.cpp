@@ -51,7 +51,7 @@ inline float lanes_sum(Vec v) {
 #error "the row kernel needs AVX2 with FMA, or AVX-512"
 #endif
 
-constexpr int64_t kPrefetch = 2048;  // floats ahead of the weight being read (8 KiB): fastest of 256-8192 measured
+constexpr int64_t kPrefetch = 2048;  // floats ahead of the weight being read: the distance measured fastest (NOTES)
 constexpr int64_t kTilesPerTask = 8;
 
 // Rows 0..M-1 of x times weight rows n..n+T-1, each product summed as the header says.

@@ -6,8 +6,8 @@ one row and slower from a few rows on, and oneDNN's packed weights cost more at 
 kernel reads them once for every row at about the one-row price, and gives each row the bits of
 its one-row product (benchmarks/NOTES.md has the figures).
 
-It is compiled on first use for AVX-512 or AVX2 with FMA (a C++ compiler and ninja, about 20
-seconds, once per machine: torch keeps the build under its extensions folder, named by the
+It is compiled on first use for AVX-512 or AVX2 with FMA (a C++ compiler and ninja, once per
+machine: torch keeps the build under its extensions folder, named by the
 instruction set and torch's version); elsewhere, where the build fails or where
 LOOKAHEAD_ROW_KERNEL=off, `load` says why once and returns None, and the packed layers keep
 oneDNN's products.
@@ -35,8 +35,8 @@ _FLAGS = {"AVX512": ["-mavx512f", "-mavx512dq", "-mavx2", "-mfma"], "AVX2": ["-m
 """Compiler flags per instruction set torch reports for this CPU (torch.backends.cpu.get_cpu_capability)."""
 _SOURCE = Path(__file__).with_name("rowkernel.cpp")
 STALE_LOCK_SECONDS = 600.0
-"""A build lock this old was left by a build that was stopped (a build takes about 20 s): torch would wait on it
-forever, so it is removed."""
+"""A build lock this old was left by a build that was stopped (a build takes well under a minute): torch would wait
+on it forever, so it is removed."""
 _building = threading.Lock()
 log = logging.getLogger("lookahead.rowkernel")
 
@@ -61,8 +61,10 @@ def load() -> ModuleType | None:
     torch_version = "".join(c if c.isalnum() else "_" for c in torch.__version__)  # another torch: another build
     name = f"lookahead_rowkernel_{capability.lower()}_torch{torch_version}"
     with _building:
-        _clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock")
-        log.info("loading the row kernel for %s (built the first time: about 20 s)", capability)
+        folder = getattr(cpp_extension, "_get_build_directory", None)  # torch's own, private: where a build locks
+        if folder is not None:
+            _clear_stale_lock(Path(folder(name, verbose=False)) / "lock")
+        log.info("loading the row kernel for %s (built the first time: a few tens of seconds)", capability)
         try:
             return cpp_extension.load(
                 name, [str(_SOURCE)], extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"]
@@ -89,14 +91,10 @@ def _clear_stale_lock(lock: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
-def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the kernel takes this product: float32 on the CPU, at most MOST_ROWS rows."""
-    return (
-        x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and x.device.type == "cpu"
-        and x.numel() <= MOST_ROWS * x.shape[-1]
-    )
+def fits(x: torch.Tensor) -> bool:
+    """Whether the kernel takes this input to a weight kept for it (float32 on the CPU: linears._packed_weight):
+    float32, at most MOST_ROWS rows. Checked for every product of a pass, so no more than that."""
+    return x.dtype is torch.float32 and x.numel() <= MOST_ROWS * x.shape[-1]
 
 
 def _put_ninja_on_path() -> None:
