@@ -22,7 +22,7 @@ def test_each_row_gets_its_one_row_bits_at_any_width(outputs, features):
     generator = torch.Generator().manual_seed(outputs)
     weight = torch.randn(outputs, features, generator=generator)
     bias = torch.randn(outputs, generator=generator)
-    x = torch.randn(40, features, generator=generator)  # chunks of 8 (AVX-512) or 4 (AVX2) rows and a remainder
+    x = torch.randn(40, features, generator=generator)  # passes of 6 (AVX-512) or 4 (AVX2) rows and a remainder
     with torch.inference_mode():
         alone = torch.cat([KERNEL.linear(x[i : i + 1], weight, bias) for i in range(len(x))])
         for rows in range(1, len(x) + 1):

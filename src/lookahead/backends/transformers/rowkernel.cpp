@@ -2,9 +2,12 @@
 //
 // Why: a decoding step multiplies 1 to a few dozen rows by every weight of the model, and on a CPU
 // the price is reading the weights. The BLAS's one-row path reads them at the memory's speed, but
-// from a few rows on it switches to kernels that read them slower; this loop keeps a few of w's rows
-// in the first-level cache while every row of x is multiplied by them, and prefetches the weights
-// far enough ahead that the multiply-adds do not stall the stream.
+// from a few rows on it switches to kernels that read them slower; this loop keeps a tile of w's rows
+// in the first-level cache while every row of x is multiplied by them, and asks for the weights
+// early enough that the multiply-adds do not stall the stream: a tile read in one pass asks for the
+// weights a little ahead of itself; a tile read in several passes over x (more rows than a pass
+// holds) would leave the memory idle after its first, so every pass asks for a share of the tile
+// two ahead.
 //
 // Every output y[m, n] is summed the same way whatever the number of rows and threads: lane j of a
 // vector sums the products at k ≡ j (mod lanes) in order of k, the lanes are added in one fixed
@@ -21,10 +24,7 @@ namespace {
 #if defined(__AVX512F__)
 using Vec = __m512;
 constexpr int kLanes = 16;
-// Tiles of weight rows x rows of x, accumulators of 32 registers: where x has few rows, 2 x 8 (each weight
-// row's products done sooner: the stream keeps its pace), else 4 x 6 (fewer loads a multiply-add).
-struct Few { static constexpr int kWeightRows = 2, kRowsAtOnce = 8; };
-struct Many { static constexpr int kWeightRows = 4, kRowsAtOnce = 6; };
+constexpr int kWeightRows = 4, kRowsAtOnce = 6;  // a tile: 24 accumulators of the 32 registers
 inline Vec zero() { return _mm512_setzero_ps(); }
 inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
@@ -34,11 +34,22 @@ inline float lanes_sum(Vec v) {
   quarter = _mm_add_ps(quarter, _mm_movehl_ps(quarter, quarter));
   return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
 }
+// lanes_sum of four vectors at once, each in the same order (lane j + lane j+8, then j+4, j+2, j+1): the
+// reductions are a share of a many-row product's work.
+inline __m128 four_lanes_sums(Vec a, Vec b, Vec c, Vec d) {
+  const Vec halves_ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  const Vec halves_cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  const Vec quarters =
+      _mm512_add_ps(_mm512_shuffle_f32x4(halves_ab, halves_cd, 0x88), _mm512_shuffle_f32x4(halves_ab, halves_cd, 0xDD));
+  const Vec pairs = _mm512_add_ps(quarters, _mm512_permute_ps(quarters, 0x4E));
+  const Vec ones = _mm512_add_ps(pairs, _mm512_permute_ps(pairs, 0xB1));
+  const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, ones));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 using Vec = __m256;
 constexpr int kLanes = 8;
-struct Few { static constexpr int kWeightRows = 2, kRowsAtOnce = 4; };  // 2 x 4 accumulators of 16 registers
-using Many = Few;
+constexpr int kWeightRows = 2, kRowsAtOnce = 4;  // a tile: 8 accumulators of the 16 registers
 inline Vec zero() { return _mm256_setzero_ps(); }
 inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
@@ -51,13 +62,22 @@ inline float lanes_sum(Vec v) {
 #error "the row kernel needs AVX2 with FMA, or AVX-512"
 #endif
 
-constexpr int64_t kPrefetch = 2048;  // floats ahead of the weight being read: the distance measured fastest (NOTES)
+constexpr int64_t kPrefetch = 2048;  // floats ahead of the weight being read in one pass: measured fastest (NOTES)
+constexpr int64_t kTilesAhead = 2;   // the tile whose share every pass of a several-pass tile asks for
 constexpr int64_t kTilesPerTask = 8;
+
+// Where a pass over a tile asks for weights: `near` a little ahead of those it reads (into the first-level
+// cache), or rows first, first + step, ... of the tile at `ahead` (into the second).
+struct Prefetch {
+  bool near = false;
+  const float* ahead = nullptr;
+  int first = 0, step = 1;
+};
 
 // Rows 0..M-1 of x times weight rows n..n+T-1, each product summed as the header says.
 template <int M, int T>
 void block(const float* x, const float* w, const float* bias, float* y, int64_t K, int64_t N, int64_t n,
-           bool prefetch) {
+           const Prefetch& prefetch) {
   const int64_t whole = K / kLanes * kLanes;
   Vec acc[T][M];
 #pragma GCC unroll 8
@@ -69,9 +89,12 @@ void block(const float* x, const float* w, const float* bias, float* y, int64_t 
 #pragma GCC unroll 8
     for (int t = 0; t < T; ++t) {
       const float* row = w + (n + t) * K + k;
-      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetch), _MM_HINT_T0);
+      if (prefetch.near) _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetch), _MM_HINT_T0);
       v[t] = load(row);
     }
+    if (prefetch.ahead)
+      for (int t = prefetch.first; t < T; t += prefetch.step)
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch.ahead + t * K + k), _MM_HINT_T1);
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
       const Vec xv = load(x + m * K + k);
@@ -79,6 +102,19 @@ void block(const float* x, const float* w, const float* bias, float* y, int64_t 
       for (int t = 0; t < T; ++t) acc[t][m] = fma(v[t], xv, acc[t][m]);
     }
   }
+#if defined(__AVX512F__)
+  if constexpr (T == 4) {
+    if (whole == K) {
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        __m128 sums = four_lanes_sums(acc[0][m], acc[1][m], acc[2][m], acc[3][m]);
+        if (bias) sums = _mm_add_ps(sums, _mm_loadu_ps(bias + n));
+        _mm_storeu_ps(y + m * N + n, sums);
+      }
+      return;
+    }
+  }
+#endif
 #pragma GCC unroll 8
   for (int t = 0; t < T; ++t) {
     const float* row = w + (n + t) * K;
@@ -92,13 +128,20 @@ void block(const float* x, const float* w, const float* bias, float* y, int64_t 
   }
 }
 
-// All M rows of x times weight rows n..n+T-1, C rows of x at a time (the weight rows stay cached).
+// All M rows of x times weight rows n..n+T-1, C rows of x a pass (the weight rows stay cached).
 template <int T, int C>
 void tile(int64_t M, const float* x, const float* w, const float* bias, float* y, int64_t K, int64_t N, int64_t n) {
-  for (int64_t m0 = 0; m0 < M; m0 += C) {
+  const int64_t passes = (M + C - 1) / C;
+  const bool ahead_exists = n + (kTilesAhead + 1) * T <= N;
+  for (int64_t m0 = 0, pass = 0; m0 < M; m0 += C, ++pass) {
     const float* xs = x + m0 * K;
     float* ys = y + m0 * N;
-    const bool prefetch = m0 == 0;
+    Prefetch prefetch;
+    if (passes == 1) {
+      prefetch.near = true;
+    } else if (pass < T && ahead_exists) {
+      prefetch = {false, w + (n + kTilesAhead * T) * K, static_cast<int>(pass), static_cast<int>(passes)};
+    }
     switch (std::min<int64_t>(C, M - m0)) {
 #define ROWS_CASE(R)                                                   \
   case R:                                                              \
@@ -111,10 +154,9 @@ void tile(int64_t M, const float* x, const float* w, const float* bias, float* y
   }
 }
 
-// Every row of x times every weight row, in tiles of Shape, the tiles shared among torch's threads.
-template <typename Shape>
+// Every row of x times every weight row, in tiles, the tiles shared among torch's threads.
 void product(int64_t M, const float* x, const float* w, const float* bias, float* y, int64_t K, int64_t N) {
-  constexpr int T = Shape::kWeightRows, C = Shape::kRowsAtOnce;
+  constexpr int T = kWeightRows, C = kRowsAtOnce;
   at::parallel_for(0, (N + T - 1) / T, kTilesPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n = p * T;
@@ -148,11 +190,7 @@ torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& weight, co
   const float* wp = weight.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  if (M <= Few::kRowsAtOnce) {
-    product<Few>(M, xp, wp, bp, yp, K, N);
-  } else {
-    product<Many>(M, xp, wp, bp, yp, K, N);
-  }
+  product(M, xp, wp, bp, yp, K, N);
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
   shape.back() = N;
   return y.view(shape);
