@@ -5,7 +5,7 @@
 // from a few rows on it switches to kernels that read them slower; this loop keeps a tile of w's rows
 // in the first-level cache while every row of x is multiplied by them, and asks for the weights
 // early enough that the multiply-adds do not stall the stream: a tile read in one pass asks for the
-// weights a little ahead of itself; a tile read in several passes over x (more rows than a pass
+// weights ahead of itself at two distances; a tile read in several passes over x (more rows than a pass
 // holds) would leave the memory idle after its first, so every pass asks for a share of the tile
 // two ahead.
 //
@@ -62,12 +62,14 @@ inline float lanes_sum(Vec v) {
 #error "the row kernel needs AVX2 with FMA, or AVX-512"
 #endif
 
-constexpr int64_t kPrefetch = 2048;  // floats ahead of the weight being read in one pass: measured fastest (NOTES)
+constexpr int64_t kPrefetch = 2048;      // floats ahead of the weight being read in one pass, into L1: measured fastest
+constexpr int64_t kPrefetchFar = 8192;   // and this far ahead into L2, so more of the stream is on its way (NOTES)
 constexpr int64_t kTilesAhead = 2;   // the tile whose share every pass of a several-pass tile asks for
 constexpr int64_t kTilesPerTask = 8;
 
 // Where a pass over a tile asks for weights: `near` a little ahead of those it reads (into the first-level
-// cache), or rows first, first + step, ... of the tile at `ahead` (into the second).
+// cache) and further ahead (into the second), or rows first, first + step, ... of the tile at `ahead` (into the
+// second).
 struct Prefetch {
   bool near = false;
   const float* ahead = nullptr;
@@ -89,7 +91,10 @@ void block(const float* x, const float* w, const float* bias, float* y, int64_t 
 #pragma GCC unroll 8
     for (int t = 0; t < T; ++t) {
       const float* row = w + (n + t) * K + k;
-      if (prefetch.near) _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetch), _MM_HINT_T0);
+      if (prefetch.near) {
+        _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetch), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchFar), _MM_HINT_T1);
+      }
       v[t] = load(row);
     }
     if (prefetch.ahead)
