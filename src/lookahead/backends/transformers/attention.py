@@ -230,8 +230,7 @@ def _torch_sdpa(module, query, key, value, mask, dropout: float, scaling: float 
     Where laying the queries and mask out so costs more than the kernel saves (measured: kernels.groups_as_heads),
     the pass says so (`attention_as`) and every call is head by head."""
     groups = getattr(module, "num_key_value_groups", 1)
-    by_group = groups > 1 and query.shape[2] > 1 and _GROUPS_AS_HEADS.get()
-    if by_group and query.shape[0] * key.shape[1] >= 2 * torch.get_num_threads():
+    if _by_group(groups, query.shape[0], key.shape[1], query.shape[2]):
         batch, heads, queries, dim = query.shape
         output = torch.nn.functional.scaled_dot_product_attention(
             query.reshape(batch, heads // groups, groups * queries, dim), key, value,
@@ -242,6 +241,23 @@ def _torch_sdpa(module, query, key, value, mask, dropout: float, scaling: float 
         query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=groups > 1
     )
     return output.transpose(1, 2)
+
+
+def _by_group(groups: int, rows: int, kv_heads: int, queries: int) -> bool:
+    """Whether `_torch_sdpa` hands each group of query heads over as one head (see there)."""
+    return groups > 1 and queries > 1 and _GROUPS_AS_HEADS.get() and rows * kv_heads >= 2 * torch.get_num_threads()
+
+
+def head_by_head(module: torch.nn.Module, queries: int, masked: bool, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether GROUPED_SDPA attends one row's block of `queries` queries (with a mask, or none) of this grouped layer on
+    a CPU, keys and values like `key` and `value`, by one call of torch's SDPA reading the groups in place head by head
+    (`enable_gqa`): the call layerloop.cpp makes in its place (for Llama's families: no biases, no caps)."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups <= 1 or key.device.type != "cpu":
+        return False
+    if masked:
+        return queries > 1 and not _by_group(groups, 1, key.shape[1], queries)
+    return queries == 1 and _transformers_groups_in_place(key, value)
 
 
 def _queries_by_group(mask: torch.Tensor | None, groups: int, heads: int, queries: int) -> torch.Tensor | None:

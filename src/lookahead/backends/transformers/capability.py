@@ -156,6 +156,9 @@ def check_direct_decoder(forward: ModelForward) -> None:
     if decoder is None:
         return
     difference = _once(forward, "direct decoder", lambda: _direct_difference(forward, decoder))
+    if difference is not None and decoder.loop is not None:  # the compiled loop's calls differ: the Python loop's
+        decoder.loop = None
+        difference = _once(forward, "direct decoder in Python", lambda: _direct_difference(forward, decoder))
     if difference is None:
         forward.decoder = decoder
     elif not difference.startswith(_MODEL_FAILED):  # a pass the model cannot run: the later probes say why

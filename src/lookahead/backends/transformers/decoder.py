@@ -40,6 +40,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention import GROUPED_SDPA, NODEWISE_SDPA
+from .layerloop import LayerLoop, LoopLayer
 from .linears import PackedLinears
 
 _FAMILIES = frozenset(
@@ -82,6 +83,11 @@ class _Layer(NamedTuple):
         return cls(attention.layer_idx, layer.input_layernorm, attention, qkv, attention.o_proj,
                    layer.post_attention_layernorm, gate_up, mlp.down_proj, mlp.act_fn, joins, plain)  # fmt: skip
 
+    def looped(self) -> LoopLayer:
+        """What the compiled loop reads of this layer."""
+        return LoopLayer(self.index, self.input_norm, self.attention, self.qkv, (self.o,), self.post_norm,
+                         self.gate_up, (self.down,))  # fmt: skip
+
 
 class DirectDecoder:
     """The model's forward pass (logits) as one loop over its layers; build with `of`."""
@@ -97,6 +103,12 @@ class DirectDecoder:
         )
         self._eager: Callable = modeling.eager_attention_forward
         self._layers = [_Layer.of(layer) for layer in inner.layers[: self.config.num_hidden_layers]]
+        self.loop = (
+            LayerLoop.of([layer.looped() for layer in self._layers], self.config)
+            if all(layer.joins and not _hooked(layer.o) and not _hooked(layer.down) for layer in self._layers)
+            else None
+        )
+        """The layers in one compiled call where a pass allows it (layerloop.py); None: always the Python loop."""
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> DirectDecoder | None:
@@ -149,8 +161,34 @@ class DirectDecoder:
                 **{_CACHE_KEYWORD: cache},
             )
         cos, signed_sin = _rotation(*self._rotary(hidden, position_ids=position_ids))
+        looped = None
+        if self.loop is not None:
+            looped = self.loop(hidden, cos, signed_sin, mask, cache, linears, implementation, bool(attention_kwargs))
+        if looped is not None:
+            hidden = looped
+        else:
+            attention_kwargs = {"position_ids": position_ids, "use_cache": True, **attention_kwargs}  # as the model's
+            hidden = self._layers_one_by_one(
+                hidden, (cos, signed_sin), mask, cache, implementation, linears, most_rows, attention_kwargs
+            )
+        hidden = _rms_norm(self._norm, hidden)
+        return self._head(hidden[:, -1:] if last_only else hidden)
+
+    def _layers_one_by_one(
+        self,
+        hidden: torch.Tensor,
+        rotation: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        cache: Cache,
+        implementation: str,
+        linears: PackedLinears | None,
+        most_rows: int | None,
+        attention_kwargs: dict,
+    ) -> torch.Tensor:
+        """The hidden states after the last layer, each layer's calls made from here (what the compiled loop does in
+        one call where it can)."""
+        cos, signed_sin = rotation
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, self._eager)
-        attention_kwargs = {"position_ids": position_ids, "use_cache": True, **attention_kwargs}  # as the model passes
         shape = (*hidden.shape[:-1], -1)
         for layer in self._layers:
             direct = linears is None and layer.plain
@@ -170,8 +208,7 @@ class DirectDecoder:
             normed = _rms_norm(layer.post_norm, hidden)
             gated, up = _products(linears if layer.joins else None, layer.gate_up, normed, most_rows, direct)
             hidden = hidden + _product(layer.down, layer.act(gated) * up, direct)
-        hidden = _rms_norm(self._norm, hidden)
-        return self._head(hidden[:, -1:] if last_only else hidden)
+        return hidden
 
 
 def _products(

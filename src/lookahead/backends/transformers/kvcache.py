@@ -97,6 +97,33 @@ class RoomLayer(DynamicLayer):
         self.keys, self.values = keys.narrow(-2, 0, length + width), values.narrow(-2, 0, length + width)
         return self.keys, self.values
 
+    def room_for(
+        self, width: int, shape: tuple[int, int, int], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys' and values' rooms where `update` would write a block of `width` columns, (batch, heads, dim)
+        `shape` and `dtype`, in place; else ValueError. For a writer that fills the block itself, then `advance`s."""
+        if not self.is_initialized or self._room is None:
+            raise ValueError("no room yet")
+        keys, values = self._room
+        end = self.get_seq_length() + width
+        inference = torch.is_inference_mode_enabled()
+        for held, room in ((self.keys, keys), (self.values, values)):
+            if not (
+                end <= room.shape[-2]
+                and (*room.shape[:2], room.shape[-1]) == shape
+                and room.dtype == dtype
+                and room.is_inference() == inference
+                and held.stride() == room.stride()
+            ):
+                raise ValueError("the block does not fit the room")
+        return keys, values
+
+    def advance(self, width: int) -> None:
+        """The `width` columns after the entries, written in the room (`room_for`), are entries from now on."""
+        keys, values = self._room
+        end = self.get_seq_length() + width
+        self.keys, self.values = keys.narrow(-2, 0, end), values.narrow(-2, 0, end)
+
     def _holds(self, end: int, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
         """Whether the room reaches `end`, takes blocks like these, and holds the entries at its start."""
         if self._room is None:

@@ -64,12 +64,20 @@ class PackedLinear:
 
     def __call__(self, module: torch.nn.Linear, x: torch.Tensor, most_rows: int | None = None) -> torch.Tensor:
         """`module(x)` from the packed weight; with `most_rows`, in products of at most that many rows."""
+        packed = self.current(module)
+        if packed is None:
+            return torch.nn.functional.linear(x, module.weight, module.bias)
+        return _product(x, packed, module.bias, most_rows)
+
+    def current(self, module: torch.nn.Linear) -> torch.Tensor | None:
+        """The packed weight of `module`'s weight as it is now (packed again first if it changed); None where the
+        layer computes itself (its weight moved to another dtype or device since)."""
         weight = module.weight
         if weight is not self.weight or weight._version != self.version or weight.data_ptr() != self.address:
-            if not _packable_weight(weight):  # moved to another dtype or device since: the layer computes itself
-                return torch.nn.functional.linear(x, weight, module.bias)
-            self.__dict__.update(vars(pack(module, not self.packed.is_mkldnn)))  # changed: packed again, first
-        return _product(x, self.packed, module.bias, most_rows)
+            if not _packable_weight(weight):
+                return None
+            self.__dict__.update(vars(pack(module, not self.packed.is_mkldnn)))
+        return self.packed
 
 
 @dataclass
@@ -96,11 +104,11 @@ class JoinedLinear:
             biased = modules[0].bias is not None
             bias = torch.cat([module.bias.detach() for module in modules]) if biased else None
         sizes = tuple(module.weight.shape[0] for module in modules)
-        return cls(tensors, tuple(map(_stamp, tensors)), torch.get_num_threads(), packed, bias, sizes)
+        return cls(tensors, tuple(map(stamp, tensors)), torch.get_num_threads(), packed, bias, sizes)
 
     def current(self, modules: tuple[torch.nn.Linear, ...]) -> bool:
         """Whether every layer still has the weight and bias this was packed from, unchanged, on as many threads."""
-        stamps = tuple(_stamp(tensor) for module in modules for tensor in (module.weight, module.bias))
+        stamps = tuple(stamp(tensor) for module in modules for tensor in (module.weight, module.bias))
         return stamps == self.stamps and torch.get_num_threads() == self.threads
 
     def __call__(self, x: torch.Tensor, most_rows: int | None) -> tuple[torch.Tensor, ...]:
@@ -121,7 +129,7 @@ class JoinedLinear:
         return True
 
 
-def _stamp(tensor: torch.Tensor | None) -> tuple[int, int, int] | None:
+def stamp(tensor: torch.Tensor | None) -> tuple[int, int, int] | None:
     """What tells a tensor is the one it was, unchanged: identity, version counter (in-place changes) and address."""
     return None if tensor is None else (id(tensor), tensor._version, tensor.data_ptr())
 
@@ -190,10 +198,25 @@ class PackedLinears:
         rows = x.numel() // x.shape[-1]
         if min(rows, most_rows or rows) > JOIN_ROWS:
             return None
+        joined = self._current_join(modules)
+        return None if joined is None else joined(x, most_rows)
+
+    def row_weights(self, modules: tuple[torch.nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The weight and bias the row kernel multiplies by for `modules`' products of up to JOIN_ROWS rows (one
+        layer's, or several joined as `joined` joins them), as they are now; None where those are not its products."""
+        if len(modules) == 1:
+            layer = self.layers.get(modules[0])
+            packed = None if layer is None else layer.current(modules[0])
+            return None if packed is None or packed.is_mkldnn else (packed, modules[0].bias)
+        joined = self._current_join(modules)
+        return None if joined is None or joined.packed.is_mkldnn else (joined.packed, joined.bias)
+
+    def _current_join(self, modules: tuple[torch.nn.Linear, ...]) -> JoinedLinear | None:
+        """The layers' joined product as their weights are now (made again after a change), or None."""
         joined = self._joined.get(modules)
         if modules not in self._joined or (joined is not None and not joined.current(modules)):
             joined = self._joined[modules] = self._join(modules)
-        return None if joined is None else joined(x, most_rows)
+        return joined
 
     def _join(self, modules: tuple[torch.nn.Linear, ...]) -> JoinedLinear | None:
         """The layers joined, where they are packed here alike and a joined product of their shape keeps the bits."""

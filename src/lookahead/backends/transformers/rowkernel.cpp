@@ -201,6 +201,15 @@ torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& weight, co
   return y.view(shape);
 }
 
+torch::Tensor decoder_layers(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& signed_sin,
+                             const c10::optional<torch::Tensor>& mask,
+                             const std::vector<c10::optional<torch::Tensor>>& params,
+                             const std::vector<torch::Tensor>& key_rooms, const std::vector<torch::Tensor>& value_rooms,
+                             int64_t length, double eps, double scaling, int64_t heads, int64_t kv_heads,
+                             int64_t head_dim);  // layerloop.cpp, built with this file
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("linear", &linear, "x times the weight's transpose (+ bias), float32, a few rows at a time");
+  module.def("decoder_layers", &decoder_layers, "one row's block through a Llama-shaped stack (layerloop.cpp)",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -33,7 +33,8 @@ SWITCH = "LOOKAHEAD_ROW_KERNEL"
 """Set to 'off' (before the first engine starts) to keep oneDNN's products instead."""
 _FLAGS = {"AVX512": ["-mavx512f", "-mavx512dq", "-mavx2", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
 """Compiler flags per instruction set torch reports for this CPU (torch.backends.cpu.get_cpu_capability)."""
-_SOURCE = Path(__file__).with_name("rowkernel.cpp")
+_SOURCES = [Path(__file__).with_name(name) for name in ("rowkernel.cpp", "layerloop.cpp")]
+"""The kernel, and the decoder's layer loop that calls it (layerloop.py), built as one extension."""
 STALE_LOCK_SECONDS = 600.0
 """A build lock this old was left by a build that was stopped (a build takes well under a minute): torch would wait
 on it forever, so it is removed."""
@@ -67,7 +68,10 @@ def load() -> ModuleType | None:
         log.info("loading the row kernel for %s (built the first time: a few tens of seconds)", capability)
         try:
             return cpp_extension.load(
-                name, [str(_SOURCE)], extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"]
+                name,
+                [str(source) for source in _SOURCES],
+                extra_cflags=["-O3", "-fopenmp", *flags],
+                extra_ldflags=["-fopenmp"],
             )
         except (OSError, RuntimeError, ImportError) as err:  # a compiler error, a missing header, a broken cache
             log.warning("the row kernel could not be built (%s): packed layers use oneDNN", str(err).splitlines()[0])
@@ -76,8 +80,10 @@ def load() -> ModuleType | None:
 
 @functools.cache
 def fingerprint() -> str:
-    """What names this kernel in cache keys: its source and widest product, so passes timed on another are not used."""
-    return hashlib.sha256(_SOURCE.read_bytes() + str(MOST_ROWS).encode()).hexdigest()[:8]
+    """What names this kernel in cache keys: its sources and widest product, so passes timed on another are not used."""
+    return hashlib.sha256(b"".join(source.read_bytes() for source in _SOURCES) + str(MOST_ROWS).encode()).hexdigest()[
+        :8
+    ]
 
 
 def _clear_stale_lock(lock: Path) -> None:

@@ -1,0 +1,163 @@
+"""The direct decoder's layers for one row in one call of compiled code (layerloop.cpp), where a pass allows it.
+
+A one-token step of a small model on a CPU runs a few hundred small operators besides its
+products, and from Python each call costs more than the operator does. The compiled loop makes
+the calls the direct decoder's Python loop makes (decoder.py) — the same operators, views,
+weights and row kernel products, in the same order — so it reaches the same bits without the
+interpreter between them; the check at start (capability.check_direct_decoder) holds it to the
+model's logits bit for bit, as it does the Python loop.
+
+It takes a pass only where the Python loop would make exactly those calls: one row of at most
+JOIN_ROWS tokens, float32, every product the row kernel's (q/k/v and gate/up joined), a cache of
+RoomLayers with room for the block, and attention that is one SDPA call reading grouped heads in
+place (attention.head_by_head). Anything else (a prompt, a packed batch, low precision, another
+attention) runs the Python loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+from typing import NamedTuple
+
+import torch
+from transformers import Cache, DynamicCache, PretrainedConfig
+
+from . import rowkernel
+from .attention import GROUPED_SDPA, head_by_head
+from .kvcache import RoomLayer
+from .linears import JOIN_ROWS, PackedLinears, stamp
+
+
+class LoopLayer(NamedTuple):
+    """The modules of one decoder layer that the loop reads weights from, and the cache layer it writes."""
+
+    index: int
+    input_norm: torch.nn.Module
+    attention: torch.nn.Module
+    qkv: tuple[torch.nn.Linear, ...]
+    o: tuple[torch.nn.Linear]
+    post_norm: torch.nn.Module
+    gate_up: tuple[torch.nn.Linear, ...]
+    down: tuple[torch.nn.Linear]
+
+
+class LayerLoop:
+    """One row's block through every layer in one call; build with `of`."""
+
+    def __init__(self, kernel: ModuleType, layers: Sequence[LoopLayer], config: PretrainedConfig) -> None:
+        self._kernel = kernel
+        self._layers = layers
+        first = layers[0]
+        self._shape = (config.num_attention_heads, config.num_key_value_heads, first.attention.head_dim)
+        self._scaling = float(first.attention.scaling)
+        self._eps = float(first.input_norm.variance_epsilon)
+        self._owners = [
+            (module._parameters, name)
+            for layer in layers
+            for module in (layer.input_norm, *layer.qkv, *layer.o, layer.post_norm, *layer.gate_up, *layer.down)
+            for name in ("weight", "bias")
+        ]
+        """Where each weight and bias the loop reads is held: what `_params` depends on."""
+        self._made: tuple[tuple, list[torch.Tensor | None]] | None = None
+        """The last weights made for the loop, and the stamp of the tensors they were made from."""
+
+    @classmethod
+    def of(cls, layers: Sequence[LoopLayer], config: PretrainedConfig) -> LayerLoop | None:
+        """A loop for these layers where the compiled code is built and they are what it computes: grouped query
+        heads, a SiLU-gated MLP, one scaling and one epsilon throughout; else None."""
+        kernel = rowkernel.load()
+        if kernel is None or not layers or getattr(config, "hidden_act", None) != "silu":
+            return None
+        first = layers[0]
+        alike = all(
+            getattr(layer.attention, "num_key_value_groups", 1) > 1
+            and layer.attention.scaling == first.attention.scaling
+            and layer.attention.head_dim == first.attention.head_dim
+            and layer.input_norm.variance_epsilon
+            == layer.post_norm.variance_epsilon
+            == first.input_norm.variance_epsilon
+            for layer in layers
+        )
+        return cls(kernel, layers, config) if alike else None
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: Cache,
+        linears: PackedLinears | None,
+        implementation: str,
+        extra: bool,
+    ) -> torch.Tensor | None:
+        """The hidden states after the last layer, the block's keys and values appended to `cache`; None (nothing
+        done) where the Python loop would make other calls. `extra`: the pass has attention keywords beyond
+        the model's own."""
+        rows, width, _ = hidden.shape
+        if (
+            rows != 1
+            or width > JOIN_ROWS
+            or width > rowkernel.MOST_ROWS
+            or extra
+            or implementation != GROUPED_SDPA
+            or hidden.dtype != torch.float32
+            or linears is None
+            or type(cache) is not DynamicCache
+            or getattr(cache, "offloading", False)
+        ):
+            return None
+        rooms = self._rooms(cache, width)
+        params = self._params(linears) if rooms is not None else None
+        if params is None:
+            return None
+        keys, values = rooms
+        if not head_by_head(self._layers[0].attention, width, mask is not None, keys[0], values[0]):
+            return None
+        heads, kv_heads, dim = self._shape
+        length = cache.layers[self._layers[0].index].get_seq_length()
+        hidden = self._kernel.decoder_layers(
+            hidden, cos, signed_sin, mask, params, keys, values, length, self._eps, self._scaling, heads, kv_heads, dim
+        )
+        for layer in self._layers:
+            cache.layers[layer.index].advance(width)
+        return hidden
+
+    def _rooms(self, cache: Cache, width: int) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """Each layer's key and value rooms, where every layer has room for the block after as many entries."""
+        _, kv_heads, dim = self._shape
+        keys, values, lengths = [], [], set()
+        for layer in self._layers:
+            held = cache.layers[layer.index] if layer.index < len(cache.layers) else None
+            if type(held) is not RoomLayer:
+                return None
+            try:
+                key_room, value_room = held.room_for(width, (1, kv_heads, dim), torch.float32)
+            except ValueError:
+                return None
+            keys.append(key_room)
+            values.append(value_room)
+            lengths.add(held.get_seq_length())
+        return (keys, values) if len(lengths) == 1 else None
+
+    def _params(self, linears: PackedLinears) -> list[torch.Tensor | None] | None:
+        """The weights as the Python loop would multiply by them in this pass, in layerloop.cpp's order: made again
+        only after a weight or bias was replaced, moved or changed in place, or the thread count changed (what
+        PackedLinears checks for each product)."""
+        now = (id(linears), torch.get_num_threads(), *(stamp(owner.get(name)) for owner, name in self._owners))
+        if self._made is None or self._made[0] != now:
+            params = self._weights(linears)
+            self._made = None if params is None else (now, params)
+        return None if self._made is None else self._made[1]
+
+    def _weights(self, linears: PackedLinears) -> list[torch.Tensor | None] | None:
+        params: list[torch.Tensor | None] = []
+        for layer in self._layers:
+            products = [linears.row_weights(modules) for modules in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            if any(product is None for product in products):
+                return None
+            (qkv, qkv_bias), (o, o_bias), (gate_up, gate_up_bias), (down, down_bias) = products
+            params += [layer.input_norm.weight, qkv, qkv_bias, o, o_bias, layer.post_norm.weight, gate_up,
+                       gate_up_bias, down, down_bias]  # fmt: skip
+        return params

@@ -1,0 +1,126 @@
+"""The compiled layer loop: one row's passes through the direct decoder's layers in one call, with its bits."""
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from lookahead.backends.transformers import layerloop, rowkernel
+from lookahead.backends.transformers.capability import check_direct_decoder
+from lookahead.backends.transformers.decoder import DirectDecoder
+from lookahead.backends.transformers.forward import ModelForward
+from lookahead.backends.transformers.kvcache import GROWTH_MARGIN
+from lookahead.backends.transformers.linears import packed_linears
+from lookahead.drafting.tree import DraftTree
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(rowkernel.load() is None, reason="the row kernel is not built on this machine"),
+]
+
+LLAMA_SHAPED = ["llama", "qwen2", "mistral"]  # qwen2's q/k/v have biases
+
+
+def _forward(model: torch.nn.Module) -> ModelForward:
+    forward = ModelForward(model)
+    forward.linears = packed_linears(model)
+    check_direct_decoder(forward)
+    return forward
+
+
+@pytest.fixture
+def calls(monkeypatch) -> list[bool]:
+    """Per pass the direct decoder ran, whether the compiled loop took it."""
+    taken: list[bool] = []
+    original = layerloop.LayerLoop.__call__
+
+    def counted(self, *args, **kwargs):
+        hidden = original(self, *args, **kwargs)
+        taken.append(hidden is not None)
+        return hidden
+
+    monkeypatch.setattr(layerloop.LayerLoop, "__call__", counted)
+    return taken
+
+
+def _steps(forward: ModelForward, steps: int) -> list[torch.Tensor]:
+    """A prompt read, `steps` one-token steps (past the room a cache is made with), a draft tree, more steps."""
+    prompt = [(7 * i + 3) % 97 for i in range(40)]
+    tree = DraftTree([11, 12, 13, 14], [0, 0, 1, 3])
+    with torch.inference_mode():
+        cache = forward.new_cache()
+        out = [forward(cache, prompt, 0)]
+        for i in range(steps):
+            out.append(forward(cache, [(5 * i + 1) % 97], len(prompt) + i, DraftTree()))
+        out.append(forward(cache, [8, *tree.tokens], len(prompt) + steps, tree))
+        cache.crop(-len(tree))  # the root and nothing of the tree kept
+        out += [forward(cache, [9 + i], len(prompt) + steps + 1 + i, DraftTree()) for i in range(3)]
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("family", LLAMA_SHAPED)
+def test_one_rows_steps_and_drafts_go_through_it_with_the_python_loops_bits(family, threads, calls):
+    torch.set_num_threads(threads)
+    forward = _forward(tiny_model(family))
+    assert forward.decoder is not None and forward.decoder.loop is not None
+    calls.clear()  # (the check at start ran passes too)
+    steps = GROWTH_MARGIN + 2  # the room runs out once: that pass grows it in Python, the loop goes on after
+    got = _steps(forward, steps)
+    # in Python: the prompt (no room yet), the step that outgrew the room, and the draft where its queries attend
+    # a group of heads as one (attention._by_group: a key/value head for each thread or more)
+    by_group = forward.config.num_key_value_heads >= 2 * threads
+    assert [i for i, taken in enumerate(calls) if not taken] == [0, GROWTH_MARGIN + 1, *([steps + 1] * by_group)]
+    calls.clear()
+    forward.decoder.loop = None
+    want = _steps(forward, steps)
+    assert not calls
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+def test_a_weight_changed_in_place_is_multiplied_as_changed(calls):
+    model = tiny_model("llama")
+    forward = _forward(model)
+    before = _steps(forward, 2)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.k_proj.weight.mul_(1.5)  # a joined weight: made again
+        model.model.layers[1].mlp.down_proj.weight.mul_(0.5)  # read in place
+    calls.clear()
+    after = _steps(forward, 2)
+    forward.decoder.loop = None
+    want = _steps(forward, 2)
+    assert calls[1] and calls[2] and not torch.equal(before[1], after[1])  # its one-token steps took the loop
+    assert all(torch.equal(a, b) for a, b in zip(want, after, strict=True))
+
+
+def test_it_is_left_out_where_its_calls_would_not_be_the_python_loops(monkeypatch):
+    hooked = tiny_model("llama")
+    hooked.model.layers[1].self_attn.o_proj.register_forward_hook(lambda module, args, out: None)
+    assert DirectDecoder.of(hooked).loop is None  # the hook runs only if the layer is called from Python
+    assert DirectDecoder.of(tiny_model("llama", num_key_value_heads=4)).loop is None  # no groups: another call
+    assert DirectDecoder.of(tiny_model("llama", hidden_act="gelu")).loop is None
+    monkeypatch.setattr(rowkernel, "load", lambda: None)
+    assert DirectDecoder.of(tiny_model("llama")).loop is None
+
+
+def test_a_loop_that_rounds_otherwise_is_dropped_and_the_python_loop_kept(monkeypatch):
+    original = layerloop.LayerLoop.__call__
+
+    def off_by_a_bit(self, *args, **kwargs):
+        hidden = original(self, *args, **kwargs)
+        return None if hidden is None else hidden * (1 + 1e-6)
+
+    monkeypatch.setattr(layerloop.LayerLoop, "__call__", off_by_a_bit)
+    forward = _forward(tiny_model("qwen2", seed=3))
+    assert forward.decoder is not None and forward.decoder.loop is None
+
+
+def test_the_bundled_models_steps_go_through_it_with_the_python_loops_bits(default_model, calls):
+    """(Its tokens against generate(): test_engine_default, whose packed engine runs it.)"""
+    torch.set_num_threads(2)
+    forward = _forward(default_model[0])
+    assert forward.decoder.loop is not None
+    calls.clear()
+    got = _steps(forward, 8)
+    assert calls.count(True) == 8 + 1 + 3
+    forward.decoder.loop = None
+    assert all(torch.equal(a, b) for a, b in zip(_steps(forward, 8), got, strict=True))
