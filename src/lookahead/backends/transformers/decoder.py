@@ -14,7 +14,8 @@ keeps every bit of the separate products (linears.PackedLinears.joined; never on
 hooks).
 It is used only where a check at start finds it gives the model's logits bit for bit
 (capability.check_direct_decoder), so it reaches the same numbers by a shorter road, never other
-numbers.
+numbers. One row's passes on the row kernel go shorter still: the loop's calls made from compiled
+code in one call (layerloop.py), where the pass is one whose calls it makes alike.
 
 Llama-shaped: every decoder layer holds an input norm, attention of q/k/v/o projections, a
 post-attention norm and a gated MLP, with full (not sliding) attention — transformers' Llama,

@@ -8,7 +8,8 @@ its one-row product (benchmarks/NOTES.md has the figures).
 
 It is compiled on first use for AVX-512 or AVX2 with FMA (a C++ compiler and ninja, once per
 machine: torch keeps the build under its extensions folder, named by the
-instruction set and torch's version); elsewhere, where the build fails or where
+instruction set and torch's version), together with the decoder's layer loop that calls it
+(layerloop.py); elsewhere, where the build fails or where
 LOOKAHEAD_ROW_KERNEL=off, `load` says why once and returns None, and the packed layers keep
 oneDNN's products.
 """
