@@ -8,8 +8,9 @@ from lookahead.backends.transformers import layerloop, rowkernel
 from lookahead.backends.transformers.capability import check_direct_decoder
 from lookahead.backends.transformers.decoder import DirectDecoder
 from lookahead.backends.transformers.forward import ModelForward
-from lookahead.backends.transformers.kvcache import GROWTH_MARGIN
+from lookahead.backends.transformers.kvcache import GROWTH_MARGIN, BatchCache
 from lookahead.backends.transformers.linears import packed_linears
+from lookahead.backends.transformers.slab import SlabCache
 from lookahead.drafting.tree import DraftTree
 
 pytestmark = [
@@ -75,6 +76,40 @@ def test_one_rows_steps_and_drafts_go_through_it_with_the_python_loops_bits(fami
     want = _steps(forward, steps)
     assert not calls
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+def _packed(forward: ModelForward, blocks: list[list[int]], trees: list[DraftTree]) -> list[torch.Tensor]:
+    """Three prompts read alone, then one packed pass of their blocks (decoding/slab.py)."""
+    prompts = [[(7 * i + 3 * row) % 97 for i in range(20 + 9 * row)] for row in range(3)]
+    with torch.inference_mode():
+        caches = [forward.new_cache() for _ in prompts]
+        for cache, prompt in zip(caches, prompts, strict=True):
+            forward(cache, prompt, 0)
+        slab = SlabCache.merge([BatchCache(c, [c.get_seq_length()], [row]) for row, c in enumerate(caches)])
+        return list(forward.rows(slab.cache, blocks, trees, slab.lengths, True))
+
+
+@pytest.mark.parametrize("one_call", [True, False])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("family", LLAMA_SHAPED)
+def test_a_packed_batchs_pass_goes_through_it_with_the_python_loops_bits(family, threads, one_call, calls):
+    """Drafting rows attended in one padded call or in calls of their own, groups of heads as one head or not."""
+    torch.set_num_threads(threads)
+    forward = _forward(tiny_model(family))
+    forward.one_call = one_call
+    tree, chain = DraftTree([11, 12, 13, 14], [0, 0, 1, 3]), DraftTree([21, 22], [0, 1])
+    for blocks, trees in (
+        ([[8, *tree.tokens], [9, *chain.tokens], [10]], [tree, chain, DraftTree()]),  # in calls of their own
+        ([[8, 11], [9, 21], [10]], [DraftTree([11], [0]), DraftTree([21], [0]), DraftTree()]),  # one call pays
+        ([[8], [9], [10]], [DraftTree()] * 3),  # roots only
+    ):
+        calls.clear()
+        got = _packed(forward, blocks, trees)
+        assert calls[-1], "the packed pass took the loop"
+        forward.decoder.loop, loop = None, forward.decoder.loop
+        want = _packed(forward, blocks, trees)
+        forward.decoder.loop = loop
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
 
 
 def test_a_weight_changed_in_place_is_multiplied_as_changed(calls):

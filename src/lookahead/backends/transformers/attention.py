@@ -260,6 +260,32 @@ def head_by_head(module: torch.nn.Module, queries: int, masked: bool, key: torch
     return queries == 1 and _transformers_groups_in_place(key, value)
 
 
+def packed_calls(module: torch.nn.Module, packing: Packing, key: torch.Tensor) -> tuple | None:
+    """The calls `packed_sdpa_forward` makes for this packing on a layer like `module` (grouped heads, keys like
+    `key`: the slab's), as layerloop.cpp's packed loop takes them: one padded call (gather, scatter, width, mask, the
+    mask laid out by group, whether by group), then the roots' call (indices, mask) and each drafting row's (rows,
+    starts, sizes, masks, masks by group, whether by group); None where it attends otherwise (token by token, sliding
+    windows, another device)."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups <= 1 or key.device.type != "cpu" or packing.token_reads is not None or packing.sliding_layers:
+        return None
+    heads, kv_heads = groups * key.shape[1], key.shape[1]
+
+    def way(mask: torch.Tensor, rows: int, queries: int) -> tuple[torch.Tensor | None, bool]:
+        by_group = _by_group(groups, rows, kv_heads, queries)
+        return (_queries_by_group(mask, groups, heads, queries) if by_group else None), by_group
+
+    call = packing.one_call
+    if call is not None:
+        grouped, by_group = way(call.mask, call.gather.numel() // call.width, call.width)
+        return (call.gather, call.scatter, call.width, call.mask, grouped, by_group, None, None, [], [], [], [], [], [])
+    drafts = packing.drafts
+    ways = [way(draft.mask, 1, draft.size) for draft in drafts]
+    return (None, None, 0, None, None, False, packing.roots, packing.root_mask, [d.row for d in drafts],
+            [d.start for d in drafts], [d.size for d in drafts], [d.mask for d in drafts], [w[0] for w in ways],
+            [w[1] for w in ways])  # fmt: skip
+
+
 def _queries_by_group(mask: torch.Tensor | None, groups: int, heads: int, queries: int) -> torch.Tensor | None:
     """A (batch, 1 or heads, queries, keys) mask for queries laid out as `_torch_sdpa` lays out a group's heads:
     (batch, 1 or key/value heads, groups x queries, keys), the group's heads one after another."""

@@ -164,7 +164,7 @@ class DirectDecoder:
         cos, signed_sin = _rotation(*self._rotary(hidden, position_ids=position_ids))
         looped = None
         if self.loop is not None:
-            looped = self.loop(hidden, cos, signed_sin, mask, cache, linears, implementation, bool(attention_kwargs))
+            looped = self.loop(hidden, cos, signed_sin, mask, cache, linears, implementation, attention_kwargs)
         if looped is not None:
             hidden = looped
         else:

@@ -1,11 +1,12 @@
-// A Llama-shaped decoder stack for one row, as one call: the direct decoder's loop (decoder.py) in C++.
+// A Llama-shaped decoder stack as one call: the direct decoder's loop (decoder.py) in C++, for one row or a packed batch.
 //
 // Why: on a CPU a small model's step is a few hundred tiny operators besides its products, and
 // calling each from Python costs more than the operator. This loop makes the very calls the
 // Python loop makes — the same ATen operators on the same views and weights, the row kernel's
 // products — in the same order, so every bit is the same (layerloop.py checks it at start), with
-// the interpreter left out. The keys and values of the block are written into the cache's room
-// after its `length` entries; the caller moves the entries' end.
+// the interpreter left out. One row's block is written into its cache's room after its `length` entries (the
+// caller moves the entries' end); a packed batch's tokens into their slab rows and columns, and attended as
+// attention.packed_sdpa_forward attends them (one padded call, or the roots' call and one per drafting row).
 #include <torch/extension.h>
 
 #include <vector>
@@ -22,17 +23,30 @@ torch::Tensor rotate(const torch::Tensor& x, const torch::Tensor& cos, const tor
   return x * cos + x.roll({x.size(-1) / 2}, {-1}) * signed_sin;
 }
 
-}  // namespace
+// (batch, queries, heads, dim) of torch's SDPA as attention._torch_sdpa calls it: each group of query heads handed over
+// as one head (`by_group`, with the mask laid out for that: attention._queries_by_group), or the groups read in place.
+torch::Tensor attend(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
+                     const c10::optional<torch::Tensor>& mask, const c10::optional<torch::Tensor>& grouped_mask,
+                     bool by_group, double scaling) {
+  const int64_t heads = query.size(1), kv_heads = key.size(1);
+  if (by_group) {
+    const int64_t batch = query.size(0), queries = query.size(2), dim = query.size(3);
+    auto output = at::scaled_dot_product_attention(query.reshape({batch, kv_heads, heads / kv_heads * queries, dim}),
+                                                   key, value, grouped_mask, 0.0, false, scaling, false);
+    return output.view({batch, heads, queries, dim}).transpose(1, 2);
+  }
+  return at::scaled_dot_product_attention(query, key, value, mask, 0.0, false, scaling, heads != kv_heads)
+      .transpose(1, 2);
+}
 
-torch::Tensor decoder_layers(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& signed_sin,
-                             const c10::optional<torch::Tensor>& mask,
-                             const std::vector<c10::optional<torch::Tensor>>& params,
-                             const std::vector<torch::Tensor>& key_rooms, const std::vector<torch::Tensor>& value_rooms,
-                             int64_t length, double eps, double scaling, int64_t heads, int64_t kv_heads,
-                             int64_t head_dim) {
-  const size_t layers = key_rooms.size();
-  TORCH_CHECK(params.size() == layers * kPerLayer && value_rooms.size() == layers, "one set of weights per layer");
-  TORCH_CHECK(hidden.dim() == 3 && hidden.size(0) == 1, "one row: (1, tokens, hidden)");
+// Every layer of a (1, tokens, hidden) block; `attention(layer, query, key, value)` writes the layer's cache and gives
+// its attention as (1, tokens, heads, dim).
+template <typename Attention>
+torch::Tensor run_layers(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& signed_sin,
+                         const std::vector<c10::optional<torch::Tensor>>& params, size_t layers, double eps,
+                         int64_t heads, int64_t kv_heads, int64_t head_dim, Attention&& attention) {
+  TORCH_CHECK(params.size() == layers * kPerLayer, "one set of weights per layer");
+  TORCH_CHECK(hidden.dim() == 3 && hidden.size(0) == 1, "one block: (1, tokens, hidden)");
   const int64_t width = hidden.size(1), features = hidden.size(2);
   const std::vector<int64_t> heads_shape{1, width, -1, head_dim}, flat{1, width, -1};
   const std::vector<int64_t> qkv_sizes{heads * head_dim, kv_heads * head_dim, kv_heads * head_dim};
@@ -43,16 +57,80 @@ torch::Tensor decoder_layers(torch::Tensor hidden, const torch::Tensor& cos, con
     auto query = rotate(qkv[0].view(heads_shape).transpose(1, 2), cos, signed_sin);
     auto key = rotate(qkv[1].view(heads_shape).transpose(1, 2), cos, signed_sin);
     auto value = qkv[2].view(heads_shape).transpose(1, 2);
-    key_rooms[l].narrow(-2, length, width).copy_(key);
-    value_rooms[l].narrow(-2, length, width).copy_(value);
-    auto attended = at::scaled_dot_product_attention(
-        query, key_rooms[l].narrow(-2, 0, length + width), value_rooms[l].narrow(-2, 0, length + width), mask, 0.0,
-        false, scaling, heads != kv_heads);
-    hidden = hidden + ::linear(attended.transpose(1, 2).reshape(flat).contiguous(), *p[3], p[4]);
+    auto attended = attention(l, query, key, value);
+    hidden = hidden + ::linear(attended.reshape(flat).contiguous(), *p[3], p[4]);
     normed = at::rms_norm(hidden, {features}, p[5], eps);
     auto gate_up = ::linear(normed, *p[6], p[7]);
     auto halves = gate_up.split(gate_up.size(-1) / 2, -1);
     hidden = hidden + ::linear(at::silu(halves[0]) * halves[1], *p[8], p[9]);
   }
   return hidden;
+}
+
+}  // namespace
+
+torch::Tensor decoder_layers(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& signed_sin,
+                             const c10::optional<torch::Tensor>& mask,
+                             const std::vector<c10::optional<torch::Tensor>>& params,
+                             const std::vector<torch::Tensor>& key_rooms, const std::vector<torch::Tensor>& value_rooms,
+                             int64_t length, double eps, double scaling, int64_t heads, int64_t kv_heads,
+                             int64_t head_dim) {
+  TORCH_CHECK(value_rooms.size() == key_rooms.size(), "a key room and a value room per layer");
+  const int64_t width = hidden.size(1);
+  return run_layers(hidden, cos, signed_sin, params, key_rooms.size(), eps, heads, kv_heads, head_dim,
+                    [&](size_t l, const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value) {
+                      key_rooms[l].narrow(-2, length, width).copy_(key);
+                      value_rooms[l].narrow(-2, length, width).copy_(value);
+                      return attend(query, key_rooms[l].narrow(-2, 0, length + width),
+                                    value_rooms[l].narrow(-2, 0, length + width), mask, c10::nullopt, false, scaling);
+                    });
+}
+
+torch::Tensor packed_decoder_layers(
+    torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& signed_sin,
+    const std::vector<c10::optional<torch::Tensor>>& params, const std::vector<torch::Tensor>& key_slabs,
+    const std::vector<torch::Tensor>& value_slabs, const torch::Tensor& rows, const torch::Tensor& columns,
+    int64_t end, double eps, double scaling, int64_t heads, int64_t kv_heads, int64_t head_dim,
+    // one padded call (gather defined), else the roots' call and one per drafting row
+    const c10::optional<torch::Tensor>& gather, const c10::optional<torch::Tensor>& scatter, int64_t call_width,
+    const c10::optional<torch::Tensor>& call_mask, const c10::optional<torch::Tensor>& call_grouped_mask,
+    bool call_by_group, const c10::optional<torch::Tensor>& roots, const c10::optional<torch::Tensor>& root_mask,
+    const std::vector<int64_t>& draft_rows, const std::vector<int64_t>& draft_starts,
+    const std::vector<int64_t>& draft_sizes, const std::vector<torch::Tensor>& draft_masks,
+    const std::vector<c10::optional<torch::Tensor>>& draft_grouped_masks, const std::vector<bool>& draft_by_group) {
+  using torch::indexing::Slice;
+  TORCH_CHECK(value_slabs.size() == key_slabs.size(), "a key slab and a value slab per layer");
+  TORCH_CHECK(gather.has_value() || roots.has_value(), "one padded call, or the roots' call");
+  const size_t drafts = draft_rows.size();
+  TORCH_CHECK(draft_starts.size() == drafts && draft_sizes.size() == drafts && draft_masks.size() == drafts &&
+                  draft_grouped_masks.size() == drafts && draft_by_group.size() == drafts,
+              "one start, size, mask and way per drafting row");
+  return run_layers(
+      hidden, cos, signed_sin, params, key_slabs.size(), eps, heads, kv_heads, head_dim,
+      [&](size_t l, const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value) {
+        torch::Tensor key_slab = key_slabs[l], value_slab = value_slabs[l];
+        key_slab.index_put_({rows, Slice(), columns}, key[0].transpose(0, 1));
+        value_slab.index_put_({rows, Slice(), columns}, value[0].transpose(0, 1));
+        const auto keys = key_slab.narrow(-2, 0, end), values = value_slab.narrow(-2, 0, end);
+        const auto flat = query[0].transpose(0, 1);  // (tokens, heads, dim)
+        if (gather.has_value()) {
+          auto padded = flat.index_select(0, *gather).view({-1, call_width, heads, head_dim}).transpose(1, 2);
+          auto seen = attend(padded, keys, values, call_mask, call_grouped_mask, call_by_group, scaling);
+          return seen.reshape({-1, heads, head_dim}).index_select(0, *scatter).unsqueeze(0);
+        }
+        auto output = at::empty_like(flat);
+        auto root_queries = flat.index_select(0, *roots).unsqueeze(2);
+        output.index_copy_(0, *roots,
+                           attend(root_queries, keys, values, root_mask, c10::nullopt, false, scaling).select(1, 0));
+        for (size_t d = 0; d < drafts; ++d) {
+          const int64_t row = draft_rows[d], start = draft_starts[d], size = draft_sizes[d];
+          const int64_t seen_keys = draft_masks[d].size(-1);
+          auto nodes = flat.narrow(0, start, size).transpose(0, 1).unsqueeze(0);
+          auto seen = attend(nodes, keys.narrow(0, row, 1).narrow(2, 0, seen_keys),
+                             values.narrow(0, row, 1).narrow(2, 0, seen_keys), draft_masks[d], draft_grouped_masks[d],
+                             draft_by_group[d], scaling);
+          output.narrow(0, start, size).copy_(seen[0]);
+        }
+        return output.unsqueeze(0);
+      });
 }

@@ -1,17 +1,18 @@
-"""The direct decoder's layers for one row in one call of compiled code (layerloop.cpp), where a pass allows it.
+"""The direct decoder's layers in one call of compiled code (layerloop.cpp), where a pass allows it.
 
-A one-token step of a small model on a CPU runs a few hundred small operators besides its
-products, and from Python each call costs more than the operator does. The compiled loop makes
-the calls the direct decoder's Python loop makes (decoder.py) — the same operators, views,
-weights and row kernel products, in the same order — so it reaches the same bits without the
-interpreter between them; the check at start (capability.check_direct_decoder) holds it to the
-model's logits bit for bit, as it does the Python loop.
+A step of a small model on a CPU runs a few hundred small operators besides its products, and
+from Python each call costs more than the operator does. The compiled loop makes the calls the
+direct decoder's Python loop makes (decoder.py) — the same operators, views, weights and row
+kernel products, in the same order — so it reaches the same bits without the interpreter between
+them; the check at start (capability.check_direct_decoder) holds it to the model's logits bit for
+bit, as it does the Python loop.
 
-It takes a pass only where the Python loop would make exactly those calls: one row of at most
-JOIN_ROWS tokens, float32, every product the row kernel's (q/k/v and gate/up joined), a cache of
-RoomLayers with room for the block, and attention that is one SDPA call reading grouped heads in
-place (attention.head_by_head). Anything else (a prompt, a packed batch, low precision, another
-attention) runs the Python loop.
+It takes a pass only where the Python loop would make exactly those calls: float32, at most
+JOIN_ROWS tokens, every product the row kernel's (q/k/v and gate/up joined), attention reading
+grouped heads in place; one row on a cache of RoomLayers with room for its block
+(attention.head_by_head: one SDPA call), or a packed batch on its slab (attention.packed_calls:
+the calls attention.packed_sdpa_forward makes, without sliding windows or token-by-token reads).
+Anything else (a prompt, low precision, another attention) runs the Python loop.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ import torch
 from transformers import Cache, DynamicCache, PretrainedConfig
 
 from . import rowkernel
-from .attention import GROUPED_SDPA, head_by_head
+from .attention import GROUPED_SDPA, PACKED_SDPA, head_by_head, packed_calls
 from .kvcache import RoomLayer
 from .linears import JOIN_ROWS, PackedLinears, stamp
+from .slab import Packing, SlabCache
 
 
 class LoopLayer(NamedTuple):
@@ -90,24 +92,38 @@ class LayerLoop:
         cache: Cache,
         linears: PackedLinears | None,
         implementation: str,
-        extra: bool,
+        attention_kwargs: dict,
     ) -> torch.Tensor | None:
-        """The hidden states after the last layer, the block's keys and values appended to `cache`; None (nothing
-        done) where the Python loop would make other calls. `extra`: the pass has attention keywords beyond
-        the model's own."""
+        """The hidden states after the last layer, the block's keys and values written to `cache`; None (nothing
+        done) where the Python loop would make other calls. `attention_kwargs`: what the pass gives attention beyond
+        the model's own keywords (a packed batch's packing)."""
         rows, width, _ = hidden.shape
         if (
             rows != 1
             or width > JOIN_ROWS
             or width > rowkernel.MOST_ROWS
-            or extra
-            or implementation != GROUPED_SDPA
             or hidden.dtype != torch.float32
             or linears is None
-            or type(cache) is not DynamicCache
             or getattr(cache, "offloading", False)
         ):
             return None
+        if type(cache) is DynamicCache and not attention_kwargs and implementation == GROUPED_SDPA:
+            return self._one_row(hidden, cos, signed_sin, mask, cache, linears)
+        packing = attention_kwargs.get("lookahead_packing")
+        if isinstance(cache, SlabCache) and set(attention_kwargs) == {"lookahead_packing"} and packing is not None:
+            return self._packed(hidden, cos, signed_sin, cache, packing, linears, implementation)
+        return None
+
+    def _one_row(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: DynamicCache,
+        linears: PackedLinears,
+    ) -> torch.Tensor | None:
+        width = hidden.shape[1]
         rooms = self._rooms(cache, width)
         params = self._params(linears) if rooms is not None else None
         if params is None:
@@ -123,6 +139,34 @@ class LayerLoop:
         for layer in self._layers:
             cache.layers[layer.index].advance(width)
         return hidden
+
+    def _packed(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        cache: SlabCache,
+        packing: Packing,
+        linears: PackedLinears,
+        implementation: str,
+    ) -> torch.Tensor | None:
+        """A packed batch's blocks (decoding/slab.py), attended as attention.packed_sdpa_forward attends them."""
+        if implementation != PACKED_SDPA or any(layer.window is not None for layer in cache.layers):
+            return None
+        heads, kv_heads, dim = self._shape
+        keys = [cache.layers[layer.index].keys for layer in self._layers]
+        values = [cache.layers[layer.index].values for layer in self._layers]
+        shapes = {(*states.shape[1:2], states.shape[-1], states.dtype) for states in (*keys, *values)}
+        if shapes != {(kv_heads, dim, torch.float32)} or packing.end > keys[0].shape[-2]:
+            return None
+        calls = packed_calls(self._layers[0].attention, packing, keys[0])
+        params = self._params(linears) if calls is not None else None
+        if params is None:
+            return None
+        return self._kernel.packed_decoder_layers(
+            hidden, cos, signed_sin, params, keys, values, packing.rows, packing.columns, packing.end, self._eps,
+            self._scaling, heads, kv_heads, dim, *calls,
+        )  # fmt: skip
 
     def _rooms(self, cache: Cache, width: int) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
         """Each layer's key and value rooms, where every layer has room for the block after as many entries."""
