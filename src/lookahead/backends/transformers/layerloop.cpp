@@ -134,3 +134,10 @@ torch::Tensor packed_decoder_layers(
         return output.unsqueeze(0);
       });
 }
+
+void register_layer_loop(pybind11::module_& module) {
+  module.def("decoder_layers", &decoder_layers, "one row's block through a Llama-shaped stack",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("packed_decoder_layers", &packed_decoder_layers, "a packed batch's blocks through a Llama-shaped stack",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+}

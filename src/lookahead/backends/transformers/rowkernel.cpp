@@ -201,29 +201,9 @@ torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& weight, co
   return y.view(shape);
 }
 
-torch::Tensor decoder_layers(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& signed_sin,
-                             const c10::optional<torch::Tensor>& mask,
-                             const std::vector<c10::optional<torch::Tensor>>& params,
-                             const std::vector<torch::Tensor>& key_rooms, const std::vector<torch::Tensor>& value_rooms,
-                             int64_t length, double eps, double scaling, int64_t heads, int64_t kv_heads,
-                             int64_t head_dim);  // layerloop.cpp, built with this file
-torch::Tensor packed_decoder_layers(
-    torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& signed_sin,
-    const std::vector<c10::optional<torch::Tensor>>& params, const std::vector<torch::Tensor>& key_slabs,
-    const std::vector<torch::Tensor>& value_slabs, const torch::Tensor& rows, const torch::Tensor& columns,
-    int64_t end, double eps, double scaling, int64_t heads, int64_t kv_heads, int64_t head_dim,
-    const c10::optional<torch::Tensor>& gather, const c10::optional<torch::Tensor>& scatter, int64_t call_width,
-    const c10::optional<torch::Tensor>& call_mask, const c10::optional<torch::Tensor>& call_grouped_mask,
-    bool call_by_group, const c10::optional<torch::Tensor>& roots, const c10::optional<torch::Tensor>& root_mask,
-    const std::vector<int64_t>& draft_rows, const std::vector<int64_t>& draft_starts,
-    const std::vector<int64_t>& draft_sizes, const std::vector<torch::Tensor>& draft_masks,
-    const std::vector<c10::optional<torch::Tensor>>& draft_grouped_masks, const std::vector<bool>& draft_by_group);
+void register_layer_loop(pybind11::module_& module);  // layerloop.cpp, built with this file
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("linear", &linear, "x times the weight's transpose (+ bias), float32, a few rows at a time");
-  module.def("decoder_layers", &decoder_layers, "one row's block through a Llama-shaped stack (layerloop.cpp)",
-             pybind11::call_guard<pybind11::gil_scoped_release>());
-  module.def("packed_decoder_layers", &packed_decoder_layers,
-             "a packed batch's blocks through a Llama-shaped stack (layerloop.cpp)",
-             pybind11::call_guard<pybind11::gil_scoped_release>());
+  register_layer_loop(module);
 }
