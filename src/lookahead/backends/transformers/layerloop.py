@@ -45,7 +45,7 @@ class LoopLayer(NamedTuple):
 
 
 class LayerLoop:
-    """One row's block through every layer in one call; build with `of`."""
+    """A block (one row's, or a packed batch's) through every layer in one call; build with `of`."""
 
     def __init__(self, kernel: ModuleType, layers: Sequence[LoopLayer], config: PretrainedConfig) -> None:
         self._kernel = kernel
