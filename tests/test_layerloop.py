@@ -133,6 +133,9 @@ def test_it_is_left_out_where_its_calls_would_not_be_the_python_loops(monkeypatc
     assert DirectDecoder.of(hooked).loop is None  # the hook runs only if the layer is called from Python
     assert DirectDecoder.of(tiny_model("llama", num_key_value_heads=4)).loop is None  # no groups: another call
     assert DirectDecoder.of(tiny_model("llama", hidden_act="gelu")).loop is None
+    swapped = tiny_model("llama")
+    swapped.model.layers[0].mlp.act_fn = torch.nn.GELU()  # the config still says SiLU
+    assert DirectDecoder.of(swapped).loop is None
     monkeypatch.setattr(rowkernel, "load", lambda: None)
     assert DirectDecoder.of(tiny_model("llama")).loop is None
 

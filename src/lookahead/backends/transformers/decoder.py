@@ -14,8 +14,8 @@ keeps every bit of the separate products (linears.PackedLinears.joined; never on
 hooks).
 It is used only where a check at start finds it gives the model's logits bit for bit
 (capability.check_direct_decoder), so it reaches the same numbers by a shorter road, never other
-numbers. One row's passes on the row kernel go shorter still: the loop's calls made from compiled
-code in one call (layerloop.py), where the pass is one whose calls it makes alike.
+numbers. Passes on the row kernel (one row's, or a packed batch's) go shorter still: the loop's calls
+made from compiled code in one call (layerloop.py), where the pass is one whose calls it makes alike.
 
 Llama-shaped: every decoder layer holds an input norm, attention of q/k/v/o projections, a
 post-attention norm and a gated MLP, with full (not sliding) attention — transformers' Llama,
@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules import module as module_hooks
 from transformers import Cache, PretrainedConfig, PreTrainedModel
+from transformers.activations import SiLUActivation
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -106,7 +107,10 @@ class DirectDecoder:
         self._layers = [_Layer.of(layer) for layer in inner.layers[: self.config.num_hidden_layers]]
         self.loop = (
             LayerLoop.of([layer.looped() for layer in self._layers], self.config)
-            if all(layer.joins and not _hooked(layer.o) and not _hooked(layer.down) for layer in self._layers)
+            if all(
+                layer.joins and not _hooked(layer.o) and not _hooked(layer.down) and _silu(layer.act)
+                for layer in self._layers
+            )
             else None
         )
         """The layers in one compiled call where a pass allows it (layerloop.py); None: always the Python loop."""
@@ -266,6 +270,12 @@ def _hooked(module: torch.nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook")) or (
         "forward" in vars(module)
     )
+
+
+def _silu(module: Callable) -> bool:
+    """Whether the MLP's activation is plain SiLU (torch's, or transformers' that calls it), nothing hooked or swapped
+    in: what the compiled loop computes in its place."""
+    return type(module) in (torch.nn.SiLU, SiLUActivation) and not _hooked(module)
 
 
 def _global_hooks() -> bool:

@@ -26,6 +26,8 @@ from transformers.cache_utils import DynamicLayer
 
 GROWTH_MARGIN = 128
 """Spare columns a cache gets past its longest row when it is built or outgrows its room, for the next blocks."""
+_Block = tuple[tuple[int, int, int], torch.dtype, torch.device]
+"""What a block written into a room must agree with: (batch, heads, head dim), dtype, device."""
 
 
 def new_cache(model: PreTrainedModel) -> Cache:
@@ -89,7 +91,7 @@ class RoomLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         length = self.get_seq_length()
         width = key_states.shape[-2]
-        if not self._holds(length + width, key_states, value_states):
+        if not self._holds(length + width, _block(key_states), _block(value_states)):
             self._room = (_roomy(self.keys, key_states, length), _roomy(self.values, value_states, length))
         keys, values = self._room
         keys.narrow(-2, length, width).copy_(key_states)
@@ -98,25 +100,15 @@ class RoomLayer(DynamicLayer):
         return self.keys, self.values
 
     def room_for(
-        self, width: int, shape: tuple[int, int, int], dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, width: int, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The keys' and values' rooms where `update` would write a block of `width` columns, (batch, heads, dim)
-        `shape` and `dtype`, in place; else ValueError. For a writer that fills the block itself, then `advance`s."""
-        if not self.is_initialized or self._room is None:
-            raise ValueError("no room yet")
-        keys, values = self._room
-        end = self.get_seq_length() + width
-        inference = torch.is_inference_mode_enabled()
-        for held, room in ((self.keys, keys), (self.values, values)):
-            if not (
-                end <= room.shape[-2]
-                and (*room.shape[:2], room.shape[-1]) == shape
-                and room.dtype == dtype
-                and room.is_inference() == inference
-                and held.stride() == room.stride()
-            ):
-                raise ValueError("the block does not fit the room")
-        return keys, values
+        `shape`, `dtype` and `device`, in place; None where it would make a new room first. For a writer that fills
+        the block itself, then `advance`s."""
+        if not self.is_initialized:
+            return None
+        block = (shape, dtype, device)
+        return self._room if self._holds(self.get_seq_length() + width, block, block) else None
 
     def advance(self, width: int) -> None:
         """The `width` columns after the entries, written in the room (`room_for`), are entries from now on."""
@@ -124,25 +116,31 @@ class RoomLayer(DynamicLayer):
         end = self.get_seq_length() + width
         self.keys, self.values = keys.narrow(-2, 0, end), values.narrow(-2, 0, end)
 
-    def _holds(self, end: int, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+    def _holds(self, end: int, key_block: _Block, value_block: _Block) -> bool:
         """Whether the room reaches `end`, takes blocks like these, and holds the entries at its start."""
         if self._room is None:
             return False
         inference = torch.is_inference_mode_enabled()
-        for held, room, block in ((self.keys, self._room[0], key_states), (self.values, self._room[1], value_states)):
+        for held, room, ((batch, heads, dim), dtype, device) in (
+            (self.keys, self._room[0], key_block),
+            (self.values, self._room[1], value_block),
+        ):
             shape = room.shape
             if not (
                 end <= shape[-2]
-                and block.shape[:2] == shape[:2]
-                and block.shape[-1] == shape[-1]
-                and block.dtype == room.dtype
-                and block.device == room.device
+                and (batch, heads, dim) == (shape[0], shape[1], shape[-1])
+                and dtype == room.dtype
+                and device == room.device
                 and room.is_inference() == inference
                 and held.shape[:2] == shape[:2]
                 and held.stride() == room.stride()
             ):
                 return False
         return True
+
+
+def _block(states: torch.Tensor) -> _Block:
+    return (states.shape[0], states.shape[1], states.shape[-1]), states.dtype, states.device
 
 
 def _roomy(held: torch.Tensor, block: torch.Tensor, length: int) -> torch.Tensor:

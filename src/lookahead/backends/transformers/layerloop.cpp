@@ -3,10 +3,11 @@
 // Why: on a CPU a small model's step is a few hundred tiny operators besides its products, and
 // calling each from Python costs more than the operator. This loop makes the very calls the
 // Python loop makes — the same ATen operators on the same views and weights, the row kernel's
-// products — in the same order, so every bit is the same (layerloop.py checks it at start), with
-// the interpreter left out. One row's block is written into its cache's room after its `length` entries (the
-// caller moves the entries' end); a packed batch's tokens into their slab rows and columns, and attended as
-// attention.packed_sdpa_forward attends them (one padded call, or the roots' call and one per drafting row).
+// products — in the same order, so every bit is the same (capability.check_direct_decoder holds
+// it to that), with the interpreter left out. One row's block is written into its cache's room
+// after its `length` entries (the caller moves the entries' end); a packed batch's tokens into
+// their slab rows and columns, and attended as attention.packed_sdpa_forward attends them (one
+// padded call, or the roots' call and one per drafting row).
 #include <torch/extension.h>
 
 #include <vector>

@@ -67,13 +67,18 @@ class LayerLoop:
     @classmethod
     def of(cls, layers: Sequence[LoopLayer], config: PretrainedConfig) -> LayerLoop | None:
         """A loop for these layers where the compiled code is built and they are what it computes: grouped query
-        heads, a SiLU-gated MLP, one scaling and one epsilon throughout; else None."""
+        heads, q/k/v and gate/up of the sizes it splits them by, a SiLU-gated MLP (the caller checks the activation
+        module), one scaling and one epsilon throughout; else None."""
         kernel = rowkernel.load()
         if kernel is None or not layers or getattr(config, "hidden_act", None) != "silu":
             return None
         first = layers[0]
+        heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, first.attention.head_dim
         alike = all(
             getattr(layer.attention, "num_key_value_groups", 1) > 1
+            and tuple(module.out_features for module in layer.qkv) == (heads * dim, kv_heads * dim, kv_heads * dim)
+            and len(layer.gate_up) == 2
+            and layer.gate_up[0].out_features == layer.gate_up[1].out_features
             and layer.attention.scaling == first.attention.scaling
             and layer.attention.head_dim == first.attention.head_dim
             and layer.input_norm.variance_epsilon
@@ -123,6 +128,7 @@ class LayerLoop:
         cache: DynamicCache,
         linears: PackedLinears,
     ) -> torch.Tensor | None:
+        """One row's block on its RoomLayers, where each has room for it and attention is one SDPA call."""
         width = hidden.shape[1]
         rooms = self._rooms(cache, width)
         params = self._params(linears) if rooms is not None else None
@@ -151,7 +157,11 @@ class LayerLoop:
         implementation: str,
     ) -> torch.Tensor | None:
         """A packed batch's blocks (decoding/slab.py), attended as attention.packed_sdpa_forward attends them."""
-        if implementation != PACKED_SDPA or any(layer.window is not None for layer in cache.layers):
+        if (
+            implementation != PACKED_SDPA
+            or cache.packing is not packing  # (the packing SlabLayer.update would write by)
+            or any(layer.window is not None for layer in cache.layers)
+        ):
             return None
         heads, kv_heads, dim = self._shape
         keys = [cache.layers[layer.index].keys for layer in self._layers]
@@ -176,12 +186,11 @@ class LayerLoop:
             held = cache.layers[layer.index] if layer.index < len(cache.layers) else None
             if type(held) is not RoomLayer:
                 return None
-            try:
-                key_room, value_room = held.room_for(width, (1, kv_heads, dim), torch.float32)
-            except ValueError:
+            rooms = held.room_for(width, (1, kv_heads, dim), torch.float32, torch.device("cpu"))
+            if rooms is None:
                 return None
-            keys.append(key_room)
-            values.append(value_room)
+            keys.append(rooms[0])
+            values.append(rooms[1])
             lengths.add(held.get_seq_length())
         return (keys, values) if len(lengths) == 1 else None
 
@@ -196,6 +205,7 @@ class LayerLoop:
         return None if self._made is None else self._made[1]
 
     def _weights(self, linears: PackedLinears) -> list[torch.Tensor | None] | None:
+        """The weights and biases, joined as the Python loop joins them; None where a product is not the kernel's."""
         params: list[torch.Tensor | None] = []
         for layer in self._layers:
             products = [linears.row_weights(modules) for modules in (layer.qkv, layer.o, layer.gate_up, layer.down)]
