@@ -24,7 +24,7 @@ def runtime_key(forward: ModelForward) -> str:
         key += f"|attention={forward.attention}"
     if forward.decoder is not None:  # the layers as one loop: less time around the arithmetic
         key += "|layers=direct-joined" if forward.linears is not None else "|layers=direct"
-        if forward.linears is not None and forward.decoder.loop is not None:  # one row's layers in one compiled call
+        if forward.linears is not None and forward.decoder.loop is not None:  # the layers in one compiled call
             key += "-compiled"
     return key if name else ""
 

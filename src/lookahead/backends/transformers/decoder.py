@@ -166,9 +166,8 @@ class DirectDecoder:
                 **{_CACHE_KEYWORD: cache},
             )
         cos, signed_sin = _rotation(*self._rotary(hidden, position_ids=position_ids))
-        looped = None
-        if self.loop is not None:
-            looped = self.loop(hidden, cos, signed_sin, mask, cache, linears, implementation, attention_kwargs)
+        loop = self.loop
+        looped = loop(hidden, cos, signed_sin, mask, cache, linears, implementation, attention_kwargs) if loop else None
         if looped is not None:
             hidden = looped
         else:

@@ -61,8 +61,9 @@ class LayerLoop:
             for name in ("weight", "bias")
         ]
         """Where each weight and bias the loop reads is held: what `_params` depends on."""
-        self._made: tuple[tuple, list[torch.Tensor | None]] | None = None
-        """The last weights made for the loop, and the stamp of the tensors they were made from."""
+        self._made: tuple[tuple, list[torch.Tensor | None] | None] | None = None
+        """The last weights made for the loop (None: some product is not the kernel's), and the stamp of the tensors
+        they were made from."""
 
     @classmethod
     def of(cls, layers: Sequence[LoopLayer], config: PretrainedConfig) -> LayerLoop | None:
@@ -200,9 +201,8 @@ class LayerLoop:
         PackedLinears checks for each product)."""
         now = (id(linears), torch.get_num_threads(), *(stamp(owner.get(name)) for owner, name in self._owners))
         if self._made is None or self._made[0] != now:
-            params = self._weights(linears)
-            self._made = None if params is None else (now, params)
-        return None if self._made is None else self._made[1]
+            self._made = (now, self._weights(linears))  # a None kept too: not looked for again every pass
+        return self._made[1]
 
     def _weights(self, linears: PackedLinears) -> list[torch.Tensor | None] | None:
         """The weights and biases, joined as the Python loop joins them; None where a product is not the kernel's."""
