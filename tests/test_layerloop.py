@@ -6,7 +6,7 @@ from tiny_models import tiny_model
 
 from lookahead.backends.transformers import layerloop, rowkernel
 from lookahead.backends.transformers.capability import check_direct_decoder
-from lookahead.backends.transformers.decoder import DirectDecoder
+from lookahead.backends.transformers.decoder import DirectDecoder, _rotate
 from lookahead.backends.transformers.forward import ModelForward
 from lookahead.backends.transformers.kvcache import GROWTH_MARGIN, BatchCache
 from lookahead.backends.transformers.linears import packed_linears
@@ -112,19 +112,48 @@ def test_a_packed_batchs_pass_goes_through_it_with_the_python_loops_bits(family,
         assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
 
 
-def test_a_weight_changed_in_place_is_multiplied_as_changed(calls):
+@pytest.mark.parametrize("change", ["in place", "replaced"])
+def test_a_weight_changed_is_multiplied_as_changed(calls, change):
     model = tiny_model("llama")
     forward = _forward(model)
     before = _steps(forward, 2)
+    layers = model.model.layers
     with torch.no_grad():
-        model.model.layers[0].self_attn.k_proj.weight.mul_(1.5)  # a joined weight: made again
-        model.model.layers[1].mlp.down_proj.weight.mul_(0.5)  # read in place
+        if change == "in place":
+            layers[0].self_attn.k_proj.weight.mul_(1.5)  # a joined weight: made again
+            layers[1].mlp.down_proj.weight.mul_(0.5)  # read in place
+        else:
+            layers[1].mlp.down_proj.weight = torch.nn.Parameter(layers[1].mlp.down_proj.weight * 0.5)
+            layers[0].post_attention_layernorm.weight = torch.nn.Parameter(
+                torch.full_like(layers[0].post_attention_layernorm.weight, 0.5)
+            )
     calls.clear()
     after = _steps(forward, 2)
     forward.decoder.loop = None
     want = _steps(forward, 2)
     assert calls[1] and calls[2] and not torch.equal(before[1], after[1])  # its one-token steps took the loop
     assert all(torch.equal(a, b) for a, b in zip(want, after, strict=True))
+
+
+@pytest.mark.parametrize("features", [576, 960, 100, 8, 3, 18432])
+def test_its_norm_has_torchs_bits(features):
+    kernel, generator = rowkernel.load(), torch.Generator().manual_seed(features)
+    for rows in (1, 3, 16):
+        for scale in (1e-3, 1.0, 3e4):
+            x = torch.randn(1, rows, features, generator=generator) * scale
+            weight = torch.randn(features, generator=generator)
+            assert torch.equal(kernel.rms_norm(x, weight, 1e-5), torch.rms_norm(x, (features,), weight, 1e-5))
+
+
+@pytest.mark.parametrize(("heads", "tokens"), [(9, 1), (3, 5), (15, 64)])
+def test_its_rotation_has_the_decoders_bits(heads, tokens):
+    generator = torch.Generator().manual_seed(heads * tokens)
+    qkv = torch.randn(1, tokens, heads * 64 * 2, generator=generator)  # the heads a slice of q/k/v's product
+    x = qkv[..., : heads * 64].view(1, tokens, heads, 64).transpose(1, 2)
+    cos, signed_sin = (torch.randn(1, 1, tokens, 64, generator=generator) for _ in range(2))
+    want, got = _rotate(x, cos, signed_sin), rowkernel.load().rotate(x, cos, signed_sin)
+    assert torch.equal(got, want)
+    assert all(a == b for a, b, size in zip(got.stride(), want.stride(), want.shape, strict=True) if size > 1)
 
 
 def test_it_is_left_out_where_its_calls_would_not_be_the_python_loops(monkeypatch):

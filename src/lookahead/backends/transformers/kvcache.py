@@ -174,6 +174,7 @@ class BatchCache:
         self.cache = cache
         self.lengths = list(lengths)
         self.owners = list(owners)
+        self._sliding = has_sliding_layers(cache)
 
     @property
     def past(self) -> int:
@@ -196,6 +197,9 @@ class BatchCache:
                     sources.append(past + index)
             lengths.append(length + len(indices))
         end = max(lengths)
+        if not rows and end == past + block_size and not self._sliding:  # every layer holds just that: nothing to cut
+            self.lengths = lengths
+            return
         indices_on: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # one host-to-device copy per device
         for layer in _live_layers(self.cache):
             stored = layer.keys.shape[-2]

@@ -27,7 +27,7 @@ from transformers import Cache, DynamicCache, PretrainedConfig
 from . import rowkernel
 from .attention import GROUPED_SDPA, PACKED_SDPA, head_by_head, packed_calls
 from .kvcache import RoomLayer
-from .linears import JOIN_ROWS, PackedLinears, stamp
+from .linears import JOIN_ROWS, PackedLinears, parameters_registered
 from .slab import Packing, SlabCache
 
 
@@ -54,16 +54,16 @@ class LayerLoop:
         self._shape = (config.num_attention_heads, config.num_key_value_heads, first.attention.head_dim)
         self._scaling = float(first.attention.scaling)
         self._eps = float(first.input_norm.variance_epsilon)
-        self._owners = [
-            (module._parameters, name)
+        self._modules = [
+            module
             for layer in layers
             for module in (layer.input_norm, *layer.qkv, *layer.o, layer.post_norm, *layer.gate_up, *layer.down)
-            for name in ("weight", "bias")
         ]
-        """Where each weight and bias the loop reads is held: what `_params` depends on."""
-        self._made: tuple[tuple, list[torch.Tensor | None] | None] | None = None
-        """The last weights made for the loop (None: some product is not the kernel's), and the stamp of the tensors
-        they were made from."""
+        """The modules whose weights and biases the loop reads: what `_params` depends on."""
+        self._made: tuple[tuple[int, int, int], object, bool] | None = None
+        """The last weights made for the loop, held by the compiled code with the tensors they were made from (and
+        whether they are usable: every product the kernel's), and what else they depend on: the packed layers, the
+        thread count and the parameters registered anywhere so far."""
 
     @classmethod
     def of(cls, layers: Sequence[LoopLayer], config: PretrainedConfig) -> LayerLoop | None:
@@ -195,14 +195,17 @@ class LayerLoop:
             lengths.add(held.get_seq_length())
         return (keys, values) if len(lengths) == 1 else None
 
-    def _params(self, linears: PackedLinears) -> list[torch.Tensor | None] | None:
-        """The weights as the Python loop would multiply by them in this pass, in layerloop.cpp's order: made again
-        only after a weight or bias was replaced, moved or changed in place, or the thread count changed (what
-        PackedLinears checks for each product)."""
-        now = (id(linears), torch.get_num_threads(), *(stamp(owner.get(name)) for owner, name in self._owners))
-        if self._made is None or self._made[0] != now:
-            self._made = (now, self._weights(linears))  # a None kept too: not looked for again every pass
-        return self._made[1]
+    def _params(self, linears: PackedLinears) -> object | None:
+        """The weights as the Python loop would multiply by them in this pass, in layerloop.cpp's order, held by the
+        compiled code (handing them over every pass costs more than the pass's norms): made again only after a
+        weight or bias was replaced through its module, moved or changed in place, or the thread count changed (what
+        PackedLinears checks for each product); None where some product is not the kernel's."""
+        depends = (id(linears), torch.get_num_threads(), parameters_registered())
+        if self._made is None or self._made[0] != depends or not self._made[1].current():
+            sources = [module._parameters.get(name) for module in self._modules for name in ("weight", "bias")]
+            params = self._weights(linears)
+            self._made = (depends, self._kernel.LoopWeights(params or [], sources), params is not None)
+        return self._made[1] if self._made[2] else None  # a None kept too: not looked for again every pass
 
     def _weights(self, linears: PackedLinears) -> list[torch.Tensor | None] | None:
         """The weights and biases, joined as the Python loop joins them; None where a product is not the kernel's."""
