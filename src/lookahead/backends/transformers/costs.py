@@ -7,7 +7,6 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ...decoding.sampling import argmaxes
 from ...drafting.tree import DraftTree
 from .capability import Layout
 from .forward import ModelForward
@@ -63,8 +62,8 @@ class ModelMeter:
             def run(width: int) -> None:
                 block = _tokens(width, vocab)  # as wide as asked, whatever the context's length
                 draft = DraftTree.chain(block[1:])  # as drafts run (node by node, where they do)
-                logits = forward.rows(cache, [block] * rows, [draft] * rows, [context] * rows, tree_masks)
-                [argmaxes(row) for row in logits]  # as a step: waits for the device
+                choices = forward.rows(cache, [block] * rows, [draft] * rows, [context] * rows, tree_masks, greedy=True)
+                [row.tolist() for row in choices]  # as a greedy step: waits for the device
                 if not packed:
                     cache.crop(-width)  # the context stays the same for every measurement
 

@@ -41,6 +41,9 @@ from transformers.activations import SiLUActivation
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ...decoding.sampling import argmaxes
+from . import rowkernel
+from .argmaxhead import ArgmaxHead
 from .attention import GROUPED_SDPA, NODEWISE_SDPA
 from .layerloop import LayerLoop, LoopLayer
 from .linears import PackedLinears
@@ -114,6 +117,11 @@ class DirectDecoder:
             else None
         )
         """The layers in one compiled call where a pass allows it (layerloop.py); None: always the Python loop."""
+        head = model.lm_head
+        plain_head = type(head) is torch.nn.Linear and head.bias is None and not _hooked(head)
+        self.argmax_head = ArgmaxHead.of(head.weight) if plain_head else None
+        """Greedy passes' choices without the output layer's whole product (argmaxhead.py) where it pays; None:
+        always from the whole product."""
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> DirectDecoder | None:
@@ -148,12 +156,14 @@ class DirectDecoder:
         last_only: bool = False,
         linears: PackedLinears | None = None,
         most_rows: int | None = None,
+        greedy: bool = False,
         **attention_kwargs,
     ) -> torch.Tensor:
-        """Logits (rows, tokens, vocab) of the block, as `model(...)` computes them; `attention_kwargs` go on to the
-        cache's update and the attention function, as the model passes its extra keywords. `linears` and `most_rows`:
-        the packed layers the pass runs with (linears.packed_as): a layer's q/k/v projections, and its gate and up,
-        run as one product each where they can (linears.PackedLinears.joined)."""
+        """Logits (rows, tokens, vocab) of the block, as `model(...)` computes them (with `greedy`, each position's
+        first largest logit's index instead, int64 (rows, tokens)); `attention_kwargs` go on to the cache's update and
+        the attention function, as the model passes its extra keywords. `linears` and `most_rows`: the packed layers
+        the pass runs with (linears.packed_as): a layer's q/k/v projections, and its gate and up, run as one product
+        each where they can (linears.PackedLinears.joined)."""
         hidden = self._embed(input_ids)
         implementation = self._layers[0].attention.config._attn_implementation
         mask = None
@@ -176,7 +186,24 @@ class DirectDecoder:
                 hidden, (cos, signed_sin), mask, cache, implementation, linears, most_rows, attention_kwargs
             )
         hidden = _rms_norm(self._norm, hidden)
-        return self._head(hidden[:, -1:] if last_only else hidden)
+        hidden = hidden[:, -1:] if last_only else hidden
+        return self._choices(hidden, linears) if greedy else self._head(hidden)
+
+    def _choices(self, hidden: torch.Tensor, linears: PackedLinears | None) -> torch.Tensor:
+        """Each position's greedy choice: from the argmax head where the whole product would be the row kernel's (the
+        bits it holds its candidates to), else the whole product's first largest logit."""
+        weights = None
+        if (
+            self.argmax_head is not None
+            and linears is not None
+            and rowkernel.fits(hidden.reshape(-1, hidden.shape[-1]))
+        ):
+            weights = linears.row_weights((self._head,))
+        if weights is not None:
+            chosen = self.argmax_head.choices(hidden.reshape(-1, hidden.shape[-1]), *weights)
+            if chosen is not None:
+                return chosen.view(hidden.shape[:-1])
+        return torch.tensor(argmaxes(self._head(hidden).flatten(0, -2))).view(hidden.shape[:-1])
 
     def _layers_one_by_one(
         self,

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 from transformers import Cache, PreTrainedModel
 
+from ...decoding.sampling import argmaxes
 from ...drafting.tree import DraftTree
 from .attention import NODEWISE_SDPA, PACKED_SDPA, attention_as, grouped_attention
 from .decoder import DirectDecoder
@@ -80,14 +81,17 @@ class ModelForward:
         lengths: Sequence[int],
         tree_masks: bool,
         last_only: bool = False,
+        greedy: bool = False,
     ) -> Sequence[torch.Tensor]:
-        """Per row, the logits (width, vocab) of its block after its `lengths[b]` cached tokens.
+        """Per row, the logits (width, vocab) of its block after its `lengths[b]` cached tokens; with `greedy`, each
+        position's first largest logit's index instead (int64, width), which the direct decoder may find without
+        making every logit (decoder.DirectDecoder: argmax_head).
 
         On a slab (decoding/slab.py) the rows' blocks are packed (masks.packed_inputs), else
         padded to the widest (masks.block_inputs; the rows of one (rows, width, vocab) tensor).
         """
         if isinstance(cache, SlabCache):
-            return self._packed(cache, blocks, trees, lengths)
+            return self._packed(cache, blocks, trees, lengths, greedy)
         ids, mask, positions = block_inputs(blocks, trees, lengths, tree_masks, self.model.dtype, self.device)
         attention = self.attention
         if self.nodewise and any(tree is not None for tree in trees):  # one-token steps too: the same calls
@@ -98,7 +102,7 @@ class ModelForward:
             attention = NODEWISE_SDPA
         linears, most_rows = self._linears(ids.numel()), self._most_rows(trees)
         with self._lock, attention_as(self.model, attention, self.groups_as_heads), packed_as(linears, most_rows):
-            logits = self._logits(ids, mask, positions, cache, last_only, linears, most_rows)
+            logits = self._logits(ids, mask, positions, cache, last_only, linears, most_rows, greedy)
         return logits[:, -1:] if last_only else logits
 
     def _packed(
@@ -107,6 +111,7 @@ class ModelForward:
         blocks: Sequence[Sequence[int]],
         trees: Sequence[DraftTree | None],
         lengths: Sequence[int],
+        greedy: bool,
     ) -> list[torch.Tensor]:
         cache.reserve([len(block) for block in blocks])
         ids, positions, packing = packed_inputs(
@@ -119,7 +124,7 @@ class ModelForward:
             linears, most_rows = self._linears(ids.numel()), self._most_rows(trees)
             with self._lock, attention_as(self.model, PACKED_SDPA, self.groups_as_heads), packed_as(linears, most_rows):
                 logits = self._logits(
-                    ids, mask, positions, cache, False, linears, most_rows, lookahead_packing=packing
+                    ids, mask, positions, cache, False, linears, most_rows, greedy, lookahead_packing=packing
                 )[0]
         finally:
             cache.packing = None
@@ -134,17 +139,20 @@ class ModelForward:
         last_only: bool,
         linears: PackedLinears | None,
         most_rows: int | None,
+        greedy: bool,
         **attention_kwargs,
     ) -> torch.Tensor:
-        """The model's logits of a block: through the direct decoder where it was found to give the same bits, else
-        through the model's forward (whose linear layers `packed_as` has routed already)."""
+        """The model's logits of a block (or with `greedy` their first largest's indices): through the direct decoder
+        where it was found to give the same bits, else through the model's forward (whose linear layers `packed_as`
+        has routed already)."""
         if self.decoder is not None:
-            return self.decoder(ids, mask, positions, cache, last_only, linears, most_rows, **attention_kwargs)
+            return self.decoder(ids, mask, positions, cache, last_only, linears, most_rows, greedy, **attention_kwargs)
         kwargs: dict = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "use_cache": True}
         kwargs[self._cache_keyword] = cache
         if last_only and self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        return self.model(**kwargs, **attention_kwargs).logits
+        logits = self.model(**kwargs, **attention_kwargs).logits
+        return torch.tensor(argmaxes(logits.flatten(0, -2))).view(logits.shape[:-1]) if greedy else logits
 
     def _most_rows(self, trees: Sequence[DraftTree | None]) -> int | None:
         """`most_rows` for a verification pass (some row has a tree); None for a prompt's, which reads the same

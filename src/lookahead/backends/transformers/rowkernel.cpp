@@ -201,9 +201,11 @@ torch::Tensor linear(const torch::Tensor& input, const torch::Tensor& weight, co
   return y.view(shape);
 }
 
-void register_layer_loop(pybind11::module_& module);  // layerloop.cpp, built with this file
+void register_layer_loop(pybind11::module_& module);   // layerloop.cpp, built with this file
+void register_argmax_head(pybind11::module_& module);  // argmaxhead.cpp, too
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("linear", &linear, "x times the weight's transpose (+ bias), float32, a few rows at a time");
   register_layer_loop(module);
+  register_argmax_head(module);
 }

@@ -34,8 +34,9 @@ SWITCH = "LOOKAHEAD_ROW_KERNEL"
 """Set to 'off' (before the first engine starts) to keep oneDNN's products instead."""
 _FLAGS = {"AVX512": ["-mavx512f", "-mavx512dq", "-mavx2", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
 """Compiler flags per instruction set torch reports for this CPU (torch.backends.cpu.get_cpu_capability)."""
-_SOURCES = [Path(__file__).with_name(name) for name in ("rowkernel.cpp", "layerloop.cpp")]
-"""The kernel, and the decoder's layer loop that calls it (layerloop.py), built as one extension."""
+_SOURCES = [Path(__file__).with_name(name) for name in ("rowkernel.cpp", "layerloop.cpp", "argmaxhead.cpp")]
+"""The kernel, and what calls it — the decoder's layer loop (layerloop.py) and greedy choices (argmaxhead.py) — built
+as one extension."""
 STALE_LOCK_SECONDS = 600.0
 """A build lock this old was left by a build that was stopped (a build takes well under a minute): torch would wait
 on it forever, so it is removed."""

@@ -139,11 +139,15 @@ class ModelVerifier:
             if length != len(generation.tokens) - 1:
                 raise RuntimeError("a generation's cache does not match its tokens")
         blocks = [[generation.tokens[-1], *tree.tokens] for generation, tree in zip(rows, trees, strict=True)]
-        tick = time.perf_counter()
-        logits = self.forward.rows(batch.cache, blocks, trees, batch.lengths, tree_masks=self.mode == "tree")
-        tock = time.perf_counter()
         choosers = [chooser_of(generation) for generation in rows]
-        argmax = [argmaxes(row) for row in logits] if any(c.plain_argmax for c in choosers) else None
+        greedy = all(chooser.plain_argmax for chooser in choosers) and not self.following  # no logit read but choices
+        tick = time.perf_counter()
+        logits = self.forward.rows(batch.cache, blocks, trees, batch.lengths, self.mode == "tree", greedy=greedy)
+        tock = time.perf_counter()
+        if greedy:
+            argmax = [row.tolist() for row in logits]
+        else:
+            argmax = [argmaxes(row) for row in logits] if any(c.plain_argmax for c in choosers) else None
         kept = []
         for row, (generation, tree, chooser) in enumerate(zip(rows, trees, choosers, strict=True)):
             if chooser.plain_argmax:
