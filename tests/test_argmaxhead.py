@@ -67,9 +67,39 @@ def test_its_copies_follow_a_weight_changed_in_place():
         assert head._choose(hidden, weight).tolist() == _whole(hidden, weight)
 
 
+def test_a_weight_in_the_place_of_a_freed_one_gets_copies_of_its_own():
+    generator = torch.Generator().manual_seed(2)
+    hidden = torch.randn(16, 64, generator=generator)
+    head = _head(64)
+    first = torch.randn(1024, 64, generator=generator)
+    with torch.inference_mode():
+        head._choose(hidden, first)
+    del first  # its successor may take its identity, address and version
+    second = torch.randn(1024, 64, generator=generator)
+    with torch.inference_mode():
+        assert head._choose(hidden, second).tolist() == _whole(hidden, second)
+
+
+def test_values_flushed_to_zero_are_within_the_bound():
+    weight = torch.zeros(512, 64)
+    weight[7] = 1e-38  # subnormal products: bfloat16 instructions flush them, the float32 logit keeps them
+    weight[300, 0] = 1.2e-38
+    hidden = torch.full((4, 64), 100.0)  # (every token then within reach: 2,048 made exactly)
+    with torch.inference_mode():
+        assert _head(64)._choose(hidden, weight).tolist() == _whole(hidden, weight) == [7] * 4
+
+
+def test_weights_it_cannot_bound_leave_the_choice_to_the_whole_product():
+    weight = torch.randn(512, 64)
+    weight[0] = 3e38  # its length overflows a float
+    with torch.inference_mode():
+        assert _head(64)._choose(torch.zeros(2, 64), weight) is None
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_a_greedy_pass_chooses_what_its_logits_would(monkeypatch, family):
-    monkeypatch.setattr(argmaxhead, "pays_from", lambda shape: 1)  # at any width, on any machine
+    monkeypatch.setattr(argmaxhead, "SWITCH_ROWS", (1,))  # at any width, on any machine
+    monkeypatch.setattr(argmaxhead.ArgmaxHead, "_timed_start", lambda self, weight: 1)
     model = tiny_model(family)
     forward = ModelForward(model)
     forward.linears = packed_linears(model)

@@ -112,7 +112,7 @@ def test_a_packed_batchs_pass_goes_through_it_with_the_python_loops_bits(family,
         assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
 
 
-@pytest.mark.parametrize("change", ["in place", "replaced"])
+@pytest.mark.parametrize("change", ["in place", "replaced", "in its dictionary"])
 def test_a_weight_changed_is_multiplied_as_changed(calls, change):
     model = tiny_model("llama")
     forward = _forward(model)
@@ -122,6 +122,9 @@ def test_a_weight_changed_is_multiplied_as_changed(calls, change):
         if change == "in place":
             layers[0].self_attn.k_proj.weight.mul_(1.5)  # a joined weight: made again
             layers[1].mlp.down_proj.weight.mul_(0.5)  # read in place
+        elif change == "in its dictionary":  # as accelerate's device placement writes parameters, past the module
+            norm = layers[0].post_attention_layernorm
+            norm._parameters["weight"] = torch.nn.Parameter(torch.full_like(norm.weight, 0.5))
         else:
             layers[1].mlp.down_proj.weight = torch.nn.Parameter(layers[1].mlp.down_proj.weight * 0.5)
             layers[0].post_attention_layernorm.weight = torch.nn.Parameter(
@@ -135,7 +138,7 @@ def test_a_weight_changed_is_multiplied_as_changed(calls, change):
     assert all(torch.equal(a, b) for a, b in zip(want, after, strict=True))
 
 
-@pytest.mark.parametrize("features", [576, 960, 100, 8, 3, 18432])
+@pytest.mark.parametrize("features", [576, 960, 100, 8, 7, 5, 3, 18432])
 def test_its_norm_has_torchs_bits(features):
     kernel, generator = rowkernel.load(), torch.Generator().manual_seed(features)
     for rows in (1, 3, 16):

@@ -192,15 +192,12 @@ class DirectDecoder:
     def _choices(self, hidden: torch.Tensor, linears: PackedLinears | None) -> torch.Tensor:
         """Each position's greedy choice: from the argmax head where the whole product would be the row kernel's (the
         bits it holds its candidates to), else the whole product's first largest logit."""
-        weights = None
-        if (
-            self.argmax_head is not None
-            and linears is not None
-            and rowkernel.fits(hidden.reshape(-1, hidden.shape[-1]))
-        ):
+        weights, flat = None, hidden.reshape(-1, hidden.shape[-1])
+        hooked = self._head._forward_hooks or self._head._forward_pre_hooks  # one added since the start: whole product
+        if self.argmax_head is not None and linears is not None and rowkernel.fits(flat) and not hooked:
             weights = linears.row_weights((self._head,))
         if weights is not None:
-            chosen = self.argmax_head.choices(hidden.reshape(-1, hidden.shape[-1]), *weights)
+            chosen = self.argmax_head.choices(flat, *weights)
             if chosen is not None:
                 return chosen.view(hidden.shape[:-1])
         return torch.tensor(argmaxes(self._head(hidden).flatten(0, -2))).view(hidden.shape[:-1])

@@ -72,6 +72,9 @@ torch::Tensor rms_norm(const torch::Tensor& input, const torch::Tensor& weight, 
   TORCH_CHECK(input.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32, "float32 rows");
   const int64_t n = input.size(-1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n, "a weight per feature");
+  // torch sums fewer than 8 values another way, and one long row's sum in pieces over its threads: its own call there
+  if (n < 8 || (input.numel() == n && n >= 32768 && at::get_num_threads() > 1))
+    return at::rms_norm(input, {n}, weight, eps);
   const auto x = input.contiguous();
   const auto w = weight.contiguous();
   auto out = at::empty_like(x);
@@ -90,7 +93,8 @@ torch::Tensor rms_norm(const torch::Tensor& input, const torch::Tensor& weight, 
 
 // Llama's rotation as decoder._rotate computes it, x * cos + (x rolled by half a head) * the half-negated sine, of
 // (1, heads, tokens, dim) heads into `out` (any strides); cos and the sine hold (tokens, dim) values.
-void rotate_into(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& signed_sin, torch::Tensor& out) {
+void rotate_into(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& signed_sin,
+                 torch::Tensor& out) {
   TORCH_CHECK(x.dim() == 4 && x.size(0) == 1 && out.sizes() == x.sizes(), "(1, heads, tokens, dim) heads");
   const int64_t heads = x.size(1), tokens = x.size(2), dim = x.size(3), half = dim / 2;
   const auto c = cos.reshape({tokens, dim}).contiguous(), s = signed_sin.reshape({tokens, dim}).contiguous();
@@ -162,27 +166,42 @@ torch::Tensor run_layers(torch::Tensor hidden, const torch::Tensor& cos, const t
 }  // namespace
 
 // The loop's weights, kept here between passes (handed over on every call, as many tensors cost more than the pass's
-// norms), with the tensors they were made from: their version counters (bumped by any change in place) and addresses
-// tell whether any changed since.
+// norms), with what they were made from: each weight or bias as its module held it (the parameter dictionary and
+// name; a replacement there is seen), its version counter (bumped by any change in place) and address.
 class LoopWeights {
  public:
-  LoopWeights(std::vector<c10::optional<torch::Tensor>> params, std::vector<c10::optional<torch::Tensor>> sources)
-      : params_(std::move(params)), sources_(std::move(sources)) {
-    for (const auto& source : sources_) stamps_.push_back(stamp(source));
+  LoopWeights(std::vector<c10::optional<torch::Tensor>> params, std::vector<pybind11::dict> holders,
+              std::vector<std::string> names)
+      : params_(std::move(params)), holders_(std::move(holders)), names_(std::move(names)) {
+    TORCH_CHECK(holders_.size() == names_.size(), "a name per parameter dictionary");
+    for (size_t i = 0; i < holders_.size(); ++i) {
+      held_.push_back(now(i));
+      tensors_.push_back(held_.back().is_none() ? c10::nullopt
+                                                : c10::optional<torch::Tensor>(held_.back().cast<torch::Tensor>()));
+      stamps_.push_back(stamp(tensors_.back()));
+    }
   }
-  bool current() const {
-    for (size_t i = 0; i < sources_.size(); ++i)
-      if (stamp(sources_[i]) != stamps_[i]) return false;
+  bool current() const {  // called with the interpreter's lock held: it reads the modules' dictionaries
+    for (size_t i = 0; i < held_.size(); ++i)
+      if (!now(i).is(held_[i]) || stamp(tensors_[i]) != stamps_[i]) return false;
     return true;
   }
   const std::vector<c10::optional<torch::Tensor>>& params() const { return params_; }
 
  private:
+  pybind11::object now(size_t i) const {
+    PyObject* item = PyDict_GetItemString(holders_[i].ptr(), names_[i].c_str());  // borrowed; null where absent
+    return pybind11::reinterpret_borrow<pybind11::object>(item ? item : Py_None);
+  }
   static std::pair<int64_t, const void*> stamp(const c10::optional<torch::Tensor>& tensor) {
     if (!tensor.has_value() || !tensor->defined()) return {-1, nullptr};
     return {static_cast<int64_t>(tensor->_version()), tensor->data_ptr()};
   }
-  std::vector<c10::optional<torch::Tensor>> params_, sources_;
+  std::vector<c10::optional<torch::Tensor>> params_;
+  std::vector<pybind11::dict> holders_;
+  std::vector<std::string> names_;
+  std::vector<pybind11::object> held_;
+  std::vector<c10::optional<torch::Tensor>> tensors_;
   std::vector<std::pair<int64_t, const void*>> stamps_;
 };
 
@@ -253,8 +272,9 @@ torch::Tensor packed_decoder_layers(
 
 void register_layer_loop(pybind11::module_& module) {
   pybind11::class_<LoopWeights>(module, "LoopWeights")
-      .def(pybind11::init<std::vector<c10::optional<torch::Tensor>>, std::vector<c10::optional<torch::Tensor>>>(),
-           "the loop's weights, and the tensors they were made from")
+      .def(pybind11::init<std::vector<c10::optional<torch::Tensor>>, std::vector<pybind11::dict>,
+                          std::vector<std::string>>(),
+           "the loop's weights, and where what they were made from is held (parameter dictionaries and names)")
       .def("current", &LoopWeights::current, "whether no tensor they were made from changed since");
   module.def("rms_norm", &rms_norm, "torch.rms_norm of float32 rows, the same bits (tests hold it to that)");
   module.def("rotate", &rotate, "decoder._rotate of (1, heads, tokens, dim) heads, the same bits");

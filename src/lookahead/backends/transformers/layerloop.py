@@ -27,7 +27,7 @@ from transformers import Cache, DynamicCache, PretrainedConfig
 from . import rowkernel
 from .attention import GROUPED_SDPA, PACKED_SDPA, head_by_head, packed_calls
 from .kvcache import RoomLayer
-from .linears import JOIN_ROWS, PackedLinears, parameters_registered
+from .linears import JOIN_ROWS, PackedLinears
 from .slab import Packing, SlabCache
 
 
@@ -60,10 +60,10 @@ class LayerLoop:
             for module in (layer.input_norm, *layer.qkv, *layer.o, layer.post_norm, *layer.gate_up, *layer.down)
         ]
         """The modules whose weights and biases the loop reads: what `_params` depends on."""
-        self._made: tuple[tuple[int, int, int], object, bool] | None = None
-        """The last weights made for the loop, held by the compiled code with the tensors they were made from (and
-        whether they are usable: every product the kernel's), and what else they depend on: the packed layers, the
-        thread count and the parameters registered anywhere so far."""
+        self._made: tuple[tuple[int, int], object, bool] | None = None
+        """The last weights made for the loop, held by the compiled code with where they were made from (and whether
+        they are usable: every product the kernel's), and what else they depend on: the packed layers and the thread
+        count."""
 
     @classmethod
     def of(cls, layers: Sequence[LoopLayer], config: PretrainedConfig) -> LayerLoop | None:
@@ -198,13 +198,14 @@ class LayerLoop:
     def _params(self, linears: PackedLinears) -> object | None:
         """The weights as the Python loop would multiply by them in this pass, in layerloop.cpp's order, held by the
         compiled code (handing them over every pass costs more than the pass's norms): made again only after a
-        weight or bias was replaced through its module, moved or changed in place, or the thread count changed (what
+        weight or bias was replaced in its module, moved or changed in place, or the thread count changed (what
         PackedLinears checks for each product); None where some product is not the kernel's."""
-        depends = (id(linears), torch.get_num_threads(), parameters_registered())
+        depends = (id(linears), torch.get_num_threads())
         if self._made is None or self._made[0] != depends or not self._made[1].current():
-            sources = [module._parameters.get(name) for module in self._modules for name in ("weight", "bias")]
+            holders = [module._parameters for module in self._modules for _ in ("weight", "bias")]
             params = self._weights(linears)
-            self._made = (depends, self._kernel.LoopWeights(params or [], sources), params is not None)
+            weights = self._kernel.LoopWeights(params or [], holders, ["weight", "bias"] * len(self._modules))
+            self._made = (depends, weights, params is not None)
         return self._made[1] if self._made[2] else None  # a None kept too: not looked for again every pass
 
     def _weights(self, linears: PackedLinears) -> list[torch.Tensor | None] | None:

@@ -129,21 +129,6 @@ class JoinedLinear:
         return True
 
 
-def parameters_registered() -> int:
-    """How many parameters any module has registered (or had replaced) since this module was imported: what tells,
-    in one number, that no weight was swapped for another since it was last asked."""
-    return _registrations
-
-
-def _count_registration(module: torch.nn.Module, name: str, parameter: torch.nn.Parameter | None) -> None:
-    global _registrations
-    _registrations += 1
-
-
-_registrations = 0
-torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
-
-
 def stamp(tensor: torch.Tensor | None) -> tuple[int, int, int] | None:
     """What tells a tensor is the one it was, unchanged: identity, version counter (in-place changes) and address."""
     return None if tensor is None else (id(tensor), tensor._version, tensor.data_ptr())
