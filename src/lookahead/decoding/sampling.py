@@ -208,12 +208,17 @@ def _record(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
 
 
 def argmaxes(logits: torch.Tensor) -> list[int]:
-    """Each row's first largest logit's index (greedy decoding's token): on a CPU through numpy, whose argmax is
-    vectorised where torch's reads a vocabulary several times slower (benchmarks/NOTES.md)."""
+    """Each row's first largest logit's index (greedy decoding's token), as a list."""
+    return first_largest(logits).tolist()
+
+
+def first_largest(logits: torch.Tensor) -> torch.Tensor:
+    """Each position's first largest logit's index, int64 of the logits' shape but the last: on a CPU through numpy,
+    whose argmax is vectorised where torch's reads a vocabulary several times slower (benchmarks/NOTES.md)."""
     if logits.device.type != "cpu":
-        return logits.argmax(-1).tolist()
+        return logits.argmax(-1)
     exact = logits if logits.dtype in (torch.float32, torch.float64, torch.float16) else logits.float()  # bf16: exact
-    return exact.numpy().argmax(-1).tolist()
+    return torch.from_numpy(exact.numpy().argmax(-1))
 
 
 def likeliest(logits: torch.Tensor | np.ndarray, k: int) -> np.ndarray:

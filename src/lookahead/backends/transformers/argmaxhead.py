@@ -7,9 +7,9 @@ first from bfloat16 copies (half the weight to read; the CPU's matrix units wher
 every logit with a proven bound on how far it can be from its float32 value, and only the tokens
 whose bound reaches the highest lower end are made again in float32 by the row kernel — the bits
 the full product gives them — so each choice is the full product's first largest logit, always
-(argmaxhead.cpp has the argument). Where the bfloat16 product is not faster (measured once per
-weight shape: CPUs without bfloat16 instructions), or a pass is too narrow for it to pay (a
-batch's passes are where it does), the full product is made.
+(argmaxhead.cpp has the argument). Where oneDNN lacks bfloat16, where it is not faster (timed on
+the model's own weight at the first pass wide enough), or where a pass is too narrow for it to pay
+(a batch's passes are where it does), the full product is made.
 """
 
 from __future__ import annotations

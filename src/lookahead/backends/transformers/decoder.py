@@ -41,7 +41,7 @@ from transformers.activations import SiLUActivation
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ...decoding.sampling import argmaxes
+from ...decoding.sampling import first_largest
 from . import rowkernel
 from .argmaxhead import ArgmaxHead
 from .attention import GROUPED_SDPA, NODEWISE_SDPA
@@ -200,7 +200,7 @@ class DirectDecoder:
             chosen = self.argmax_head.choices(flat, *weights)
             if chosen is not None:
                 return chosen.view(hidden.shape[:-1])
-        return torch.tensor(argmaxes(self._head(hidden).flatten(0, -2))).view(hidden.shape[:-1])
+        return first_largest(self._head(hidden))
 
     def _layers_one_by_one(
         self,

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from transformers import Cache, PreTrainedModel
 
-from ...decoding.sampling import argmaxes
+from ...decoding.sampling import first_largest
 from ...drafting.tree import DraftTree
 from .attention import NODEWISE_SDPA, PACKED_SDPA, attention_as, grouped_attention
 from .decoder import DirectDecoder
@@ -152,7 +152,7 @@ class ModelForward:
         if last_only and self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = 1
         logits = self.model(**kwargs, **attention_kwargs).logits
-        return torch.tensor(argmaxes(logits.flatten(0, -2))).view(logits.shape[:-1]) if greedy else logits
+        return first_largest(logits) if greedy else logits
 
     def _most_rows(self, trees: Sequence[DraftTree | None]) -> int | None:
         """`most_rows` for a verification pass (some row has a tree); None for a prompt's, which reads the same
