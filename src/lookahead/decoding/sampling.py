@@ -218,7 +218,7 @@ def first_largest(logits: torch.Tensor) -> torch.Tensor:
     if logits.device.type != "cpu":
         return logits.argmax(-1)
     exact = logits if logits.dtype in (torch.float32, torch.float64, torch.float16) else logits.float()  # bf16: exact
-    return torch.from_numpy(exact.numpy().argmax(-1))
+    return torch.as_tensor(exact.numpy().argmax(-1))
 
 
 def likeliest(logits: torch.Tensor | np.ndarray, k: int) -> np.ndarray:
